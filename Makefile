@@ -1,0 +1,31 @@
+# `make bench` runs the main job, `make test` the tests. Both build (or reuse) a virtual
+# environment under ~/.cache/cachescout keyed by the hash of the pinned requirements.
+PYTHON ?= python3
+PINS := requirements/ci.txt
+VENV ?= $(HOME)/.cache/cachescout/venv-$(shell cat $(PINS) | sha256sum | cut -c1-12)
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: bench test microbench venv clean-venv
+
+venv: $(STAMP)
+	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+
+$(STAMP): $(PINS)
+	@echo "building $(VENV)"
+	@$(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q pip==26.3 setuptools==84.2.1
+	@$(PY) -m pip install -q -r $(PINS)
+	@touch $(STAMP)
+
+bench: venv
+	$(VENV)/bin/cachescout bench $(ARGS)
+
+test: venv
+	$(PY) -m pytest $(ARGS)
+
+microbench: venv
+	$(PY) -m cachescout.bench.microbench $(ARGS)
+
+clean-venv:
+	rm -rf $(VENV)

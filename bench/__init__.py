@@ -1,0 +1,1 @@
+"""Workloads, the replay harness and the `cachescout` command line."""
