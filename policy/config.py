@@ -1,0 +1,138 @@
+"""Typed, validated settings of the policy core.
+
+Every setting is declared once with its type, range and meaning; construction validates them all,
+so a bad value fails at start-up with a message naming the field and what it accepts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ConfigError
+
+
+def _setting(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
+             lo_open: bool = False) -> Any:
+    return dataclasses.field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open})
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyConfig:
+    """Settings of the CacheScout policy core (fingerprints, learner, scorer, prefetch)."""
+
+    block_size: int = _setting(16, "tokens per KV block (vLLM's block_size)", lo=1, hi=65536)
+
+    # Agent fingerprints.
+    fingerprint_min_support: float = _setting(
+        3.0, "requests that must share a prefix before it can be an agent's anchor", lo=2, hi=1e6)
+    fingerprint_min_share: float = _setting(
+        0.002, "share of recent requests a prefix must carry to be an anchor (0 disables)", lo=0, hi=0.5)
+    fingerprint_half_life: float = _setting(
+        4000.0, "requests after which a prefix's support counts half", lo=0, lo_open=True)
+    max_fingerprint_leaves: int = _setting(
+        2048, "distinct prompt tails remembered; the least recently seen age out first", lo=16, hi=10_000_000)
+    max_prompt_blocks: int = _setting(
+        8192, "leading blocks of a prompt examined for fingerprints", lo=1, hi=10_000_000)
+    max_agents: int = _setting(1024, "agents remembered; the least recently seen age out first", lo=2, hi=1_000_000)
+
+    # Sessions (one workflow instance).
+    session_idle_timeout_s: float = _setting(
+        600.0, "seconds without a call after which an inferred session is over", lo=0, lo_open=True)
+    max_sessions: int = _setting(8192, "sessions tracked at once; the least recent are closed first",
+                                 lo=1, hi=10_000_000)
+    session_window_tokens: int = _setting(
+        192, "tokens after the anchor whose content identifies a session", lo=8, hi=65536)
+    session_min_shared_chunks: int = _setting(
+        2, "content chunks a call must share with a session to join it", lo=1, hi=1024)
+    session_time_association: bool = _setting(
+        True, "with no hint and no content match, join the idle session the chain finds most likely")
+    session_association_min_probability: float = _setting(
+        0.3, "transition probability needed for a time-based session match", lo=0, hi=1)
+
+    # Transition learner.
+    transition_half_life: float = _setting(
+        200.0, "transitions out of an agent after which an old one counts half", lo=0, lo_open=True)
+    confidence_count_scale: float = _setting(
+        8.0, "decayed transitions out of an agent at which its count confidence is one half", lo=0, lo_open=True)
+    min_confidence: float = _setting(
+        0.05, "confidence below which the order falls back to plain LRU", lo=0, hi=1)
+    prediction_horizon: int = _setting(2, "future calls per session a cached anchor is scored over", lo=1, hi=6)
+    model_refresh_interval: int = _setting(
+        8, "learner updates between recomputations of multi-step predictions", lo=1, hi=1_000_000)
+
+    # Prefetch planner.
+    prefetch_min_probability: float = _setting(
+        0.5, "probability an anchor is needed next before it is prefetched", lo=0, hi=1)
+    prefetch_min_confidence: float = _setting(0.3, "model confidence needed to prefetch at all", lo=0, hi=1)
+    prefetch_max_actions: int = _setting(4, "prefetch actions planned per step", lo=0, hi=1_000_000)
+    prefetch_max_inflight_bytes: int = _setting(
+        2 * 1024**3, "bytes of prefetch allowed in flight", lo=0, hi=2**62)
+
+    # Rebuild cost (defaults: Llama-3.1-8B on one H200; see docs/architecture.md).
+    kv_bytes_per_token: int = _setting(131072, "KV-cache bytes per token of the served model", lo=1, hi=2**40)
+    recompute_s_per_token: float = _setting(
+        4.5e-5, "seconds of prefill to recompute one token's KV", lo=0, lo_open=True)
+    cpu_load_gbps: float = _setting(25.0, "GB/s from the CPU tier into GPU memory", lo=0, lo_open=True)
+    cpu_load_latency_s: float = _setting(1e-4, "fixed seconds per CPU-tier load", lo=0)
+    redis_load_gbps: float = _setting(1.2, "GB/s from the Redis tier", lo=0, lo_open=True)
+    redis_load_latency_s: float = _setting(1e-3, "fixed seconds per Redis-tier load", lo=0)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _check(f, getattr(self, f.name))
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> PolicyConfig:
+        """Build from a plain mapping (JSON, `kv_connector_extra_config`); unknown keys are errors."""
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"policy settings must be a mapping of name to value, got {type(values).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"unknown setting(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(sorted(known))}")
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> PolicyConfig:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def describe(cls) -> list[tuple[str, str, Any, str]]:
+        """(name, type, default, meaning) per setting, for docs and `--help` output."""
+        return [(f.name, f.type if isinstance(f.type, str) else f.type.__name__, f.default, f.metadata["doc"])
+                for f in dataclasses.fields(cls)]
+
+
+def _accepted(f: dataclasses.Field) -> str:
+    lo, hi, lo_open = f.metadata["lo"], f.metadata["hi"], f.metadata["lo_open"]
+    kind = {"int": "an integer", "float": "a number", "bool": "true or false"}[_type_name(f)]
+    if lo is None and hi is None:
+        return kind
+    left = f"> {lo:g}" if lo_open else f">= {lo:g}"
+    return f"{kind} {left}" + (f" and <= {hi:g}" if hi is not None else "")
+
+
+def _type_name(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def _check(f: dataclasses.Field, value: Any) -> None:
+    kind = _type_name(f)
+    # bool is an int subclass: reject True where a number is wanted and 1 where a flag is.
+    if kind == "bool":
+        ok = isinstance(value, bool)
+    elif kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok:
+        raise ConfigError(f"setting {f.name!r} must be {_accepted(f)}, got {value!r} ({type(value).__name__})")
+    if kind == "bool":
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"setting {f.name!r} must be {_accepted(f)}, got {value!r}")
+    lo, hi, lo_open = f.metadata["lo"], f.metadata["hi"], f.metadata["lo_open"]
+    if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
+        raise ConfigError(f"setting {f.name!r} must be {_accepted(f)}, got {value!r}")

@@ -1,0 +1,282 @@
+"""CacheScoutPolicy: the one object a cache (the replay engine, the vLLM connector) talks to.
+
+Per request: `observe` (or `submit` now and `drain` once per step) recognises agent and session,
+updates the chain and moves the session; `admit_blocks` files the request's KV blocks under
+preamble / anchor / context groups; `finish` closes the call. Per block: `blocks_freed`,
+`blocks_reused`, `blocks_evicted`, `block_backed` mirror the cache. Decisions: `evict`/`victims`
+(GPU eviction order) and `plan_prefetch`. State for other replicas: `snapshot`/`absorb`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+from .config import PolicyConfig
+from .costs import RebuildCost
+from .eviction import EvictionIndex, Group
+from .fingerprint import AgentFingerprinter, Fingerprint
+from .prefetch import Locate, PrefetchAction, PrefetchCandidate, PrefetchPlanner
+from .scorer import SurvivalScorer
+from .sessions import SessionTracker
+from .state import TransitionSnapshot
+from .transitions import END, START, TransitionLearner
+
+HINT_KEYS = {"agent": "cachescout.agent", "session": "cachescout.session_id", "next_agent": "cachescout.next_agent"}
+_MAX_HINT_LEN = 256
+_EMA = 0.02
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Hints:
+    """What an agent framework may tell us explicitly (through vLLM's `kv_transfer_params`)."""
+
+    agent: str | None = None
+    session: str | None = None
+    next_agent: str | None = None
+
+    @classmethod
+    def from_params(cls, params: Mapping[str, Any] | None) -> tuple[Hints | None, list[str]]:
+        """Parse hints from request parameters; malformed values are dropped and reported."""
+        if not params:
+            return None, []
+        values: dict[str, str] = {}
+        bad: list[str] = []
+        for field, key in HINT_KEYS.items():
+            v = params.get(key)
+            if v is None:
+                continue
+            if isinstance(v, int) and not isinstance(v, bool):
+                v = str(v)
+            if isinstance(v, str) and 0 < len(v) <= _MAX_HINT_LEN:
+                values[field] = v
+            else:
+                bad.append(key)
+        return (cls(**values) if values else None), bad
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Observation:
+    """What the policy concluded about one request."""
+
+    request_id: Hashable
+    agent: str | None
+    session: Hashable
+    previous_agent: str | None
+    new_session: bool
+    session_evidence: str
+    predicted_agent: str | None      # the chain's top guess for this call, made before seeing it
+    fingerprint: Fingerprint
+
+
+@dataclasses.dataclass(slots=True)
+class _Live:
+    obs: Observation
+    blocks: int = 0
+
+
+class CacheScoutPolicy:
+    def __init__(self, config: PolicyConfig | None = None, *, clock: Callable[[], float] = time.monotonic,
+                 max_pending: int = 4096) -> None:
+        self.cfg = cfg = config or PolicyConfig()
+        self.clock = clock
+        self.learner = TransitionLearner(cfg.transition_half_life, cfg.confidence_count_scale)
+        self.fingerprints = AgentFingerprinter(cfg)
+        self.sessions = SessionTracker(cfg, self.learner)
+        self.cost = RebuildCost(cfg)
+        self.index = EvictionIndex()
+        self.scorer = SurvivalScorer(cfg, self.learner, self.sessions, self.cost)
+        self.planner = PrefetchPlanner(cfg, self.cost)
+        self._live: dict[Hashable, _Live] = {}
+        self._aliases: dict[str, str] = {}        # inferred agent id -> hinted name for it
+        self._next_hint: dict[Hashable, str] = {}  # session -> agent it will call next (hinted)
+        self._pending: deque = deque()
+        self._max_pending = max_pending
+        self.stats: Counter[str] = Counter()
+
+    # -- requests -----------------------------------------------------------------------------
+    def submit(self, request_id: Hashable, block_hashes: Sequence[int], *, tokens: Sequence[int] | None = None,
+               hints: Hints | None = None, now: float | None = None) -> bool:
+        """Queue a request for the next `drain` (O(1)); False if the queue is full (counted, dropped)."""
+        if len(self._pending) >= self._max_pending:
+            self.stats["dropped_events"] += 1
+            return False
+        self._pending.append((request_id, block_hashes, tokens, hints, self.clock() if now is None else now))
+        return True
+
+    def drain(self) -> list[Observation]:
+        out = []
+        while self._pending:
+            rid, hashes, tokens, hints, now = self._pending.popleft()
+            out.append(self.observe(rid, hashes, tokens=tokens, hints=hints, now=now))
+        return out
+
+    def observe(self, request_id: Hashable, block_hashes: Sequence[int], *, tokens: Sequence[int] | None = None,
+                hints: Hints | None = None, now: float | None = None) -> Observation:
+        """Recognise a new request's agent and session and learn from it."""
+        now = self.clock() if now is None else now
+        self._expire(now)
+        fp = self.fingerprints.observe(block_hashes)
+        for agent in self.fingerprints.retired:
+            self.learner.forget(self._aliases.pop(agent, agent))
+        self.fingerprints.retired.clear()
+
+        agent = fp.agent
+        if agent is not None:
+            agent = self._aliases.get(agent, agent)
+        if hints is not None and hints.agent is not None:
+            if fp.agent is not None and self._aliases.get(fp.agent) != hints.agent:
+                self._aliases[fp.agent] = hints.agent
+            agent = hints.agent
+        # The session's own content starts where this prompt stops matching anything seen before
+        # (past the anchor, and past task text other sessions repeated).
+        start = max(fp.anchor_blocks if fp.agent else fp.preamble_blocks, fp.matched_blocks) * self.cfg.block_size
+        a = self.sessions.assign(now, agent, hint=hints.session if hints else None, continues=fp.continues,
+                                 tokens=tokens, content_start=start)
+        s = a.session
+        if a.previous_call_at is not None and now > a.previous_call_at:
+            self.scorer.step_s += _EMA * ((now - a.previous_call_at) - self.scorer.step_s)
+        self.scorer.new_session_share += _EMA * ((1.0 if a.new else 0.0) - self.scorer.new_session_share)
+
+        src = START if a.new else a.previous_agent
+        predicted = None
+        if src is not None:
+            probs = self.learner.probabilities(src)
+            if probs:
+                predicted = max(probs.items(), key=lambda kv: (kv[1], kv[0]))[0]
+            if agent is not None:
+                self.stats["predictions"] += 1
+                self.stats["predictions_correct"] += predicted == agent
+                self.learner.update(src, agent)
+        self.fingerprints.set_owner(fp.leaf, s.sid)
+        if agent is not None and fp.agent is not None:
+            self.scorer.current_anchor[agent] = fp.anchor_node
+        if hints is not None and hints.next_agent is not None:
+            self._next_hint[s.sid] = hints.next_agent
+        else:
+            self._next_hint.pop(s.sid, None)
+        obs = Observation(request_id, agent, s.sid, a.previous_agent, a.new, a.evidence, predicted, fp)
+        self._live[request_id] = _Live(obs)
+        self.stats["requests"] += 1
+        if self.stats["requests"] % 512 == 0:
+            self.index.prune_groups()
+        self.stats["recognised"] += agent is not None
+        return obs
+
+    def finish(self, request_id: Hashable, now: float | None = None) -> None:
+        """The request's call ended (its blocks are released separately, by `blocks_freed`)."""
+        live = self._live.pop(request_id, None)
+        if live is not None:
+            self.sessions.finished(live.obs.session, self.clock() if now is None else now)
+
+    def observation(self, request_id: Hashable) -> Observation | None:
+        live = self._live.get(request_id)
+        return None if live is None else live.obs
+
+    def _expire(self, now: float) -> None:
+        for s in self.sessions.expire(now):
+            self._next_hint.pop(s.sid, None)
+            if s.agent is not None:
+                self.learner.update(s.agent, END)
+
+    # -- KV blocks of the GPU tier ------------------------------------------------------------
+    def admit_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable], num_cached: int) -> None:
+        """The request holds `block_keys` (prompt order); the first `num_cached` were prefix hits."""
+        live = self._live.get(request_id)
+        index = self.index
+        if live is None:
+            for key in block_keys[num_cached:]:
+                index.add(key)
+            index.acquire(block_keys[:num_cached])
+            return
+        n = len(block_keys)
+        pre, anc, ctx = self._groups_for(live.obs)
+        pre_end = min(live.obs.fingerprint.preamble_blocks, n) if pre is not None else 0
+        anc_end = min(live.obs.fingerprint.anchor_blocks, n) if anc is not None else pre_end
+        anc_end = max(anc_end, pre_end)
+        spans = ((0, pre_end, pre), (pre_end, anc_end, anc), (anc_end, n, ctx))
+        for lo, hi, group in spans:
+            if lo >= hi or group is None:
+                continue
+            hit_hi = min(hi, num_cached)
+            # Hits are usually filed already: check the span's ends before walking it.
+            if lo < hit_hi:
+                b_lo, b_hi = index.block(block_keys[lo]), index.block(block_keys[hit_hi - 1])
+                if b_lo is None or b_hi is None or b_lo.group is not group or b_hi.group is not group:
+                    for key in block_keys[lo:hit_hi]:
+                        index.add(key, group)
+            for key in block_keys[max(lo, num_cached):hi]:
+                index.add(key, group)
+        index.acquire(block_keys[:num_cached])
+        live.blocks = n
+
+    def _groups_for(self, obs: Observation) -> tuple[Group | None, Group | None, Group]:
+        fp = obs.fingerprint
+        index = self.index
+        pre = index.group(("pre", fp.preamble_node), "preamble") if fp.preamble_blocks else None
+        anc = None
+        if obs.agent is not None and fp.agent is not None and fp.anchor_blocks > fp.preamble_blocks:
+            anc = index.group(("anchor", obs.agent, fp.anchor_node), "anchor", agent=obs.agent, parent=pre)
+        ctx = index.group(("ctx", obs.session, obs.agent), "context", agent=obs.agent, session=obs.session,
+                          parent=anc or pre)
+        return pre, anc, ctx
+
+    def blocks_freed(self, keys: Sequence[Hashable], now: float | None = None) -> None:
+        """Blocks whose reference count dropped to zero (still cached, now evictable)."""
+        self.index.release(keys, self.clock() if now is None else now)
+
+    def blocks_reused(self, keys: Sequence[Hashable]) -> None:
+        self.index.acquire(keys)
+
+    def blocks_evicted(self, keys: Sequence[Hashable]) -> None:
+        for key in keys:
+            self.index.discard(key)
+
+    def block_backed(self, key: Hashable, backed: bool = True) -> None:
+        """A lower tier now holds (or lost) a copy of this block."""
+        self.index.set_backed(key, backed)
+
+    # -- decisions ----------------------------------------------------------------------------
+    def victims(self, n: int, now: float | None = None) -> list[Hashable]:
+        """The next `n` free blocks to evict, coldest first. Reads state only."""
+        self.scorer.score(self.index, self._next_hint)
+        return self.index.victims(n, self.clock() if now is None else now)
+
+    def evict(self, n: int, now: float | None = None) -> list[Hashable]:
+        """Remove and return the next `n` victims."""
+        self.scorer.score(self.index, self._next_hint)
+        return self.index.evict(n, self.clock() if now is None else now)
+
+    def confidence(self) -> float:
+        return self.scorer.demand()[1]
+
+    def plan_prefetch(self, locate: Locate, inflight_bytes: int = 0) -> list[PrefetchAction]:
+        """Prefetch actions for the anchors the next calls most likely need (see prefetch.py)."""
+        probs, conf = self.scorer.next_call_probabilities()
+        for nxt in self._next_hint.values():
+            probs[nxt] = 1.0
+        inverse = {v: k for k, v in self._aliases.items()}
+        candidates = []
+        for agent, p in probs.items():
+            rec = self.fingerprints.agent(inverse.get(agent, agent))
+            if rec is not None and rec.anchor_blocks:
+                candidates.append(PrefetchCandidate(agent, p, rec.anchor_path))
+        return self.planner.plan(candidates, conf, locate, inflight_bytes)
+
+    def predict_next(self, agent: str) -> list[tuple[str, float]]:
+        """The chain's distribution of the agent called after `agent`, most likely first."""
+        return sorted(self.learner.probabilities(agent).items(), key=lambda kv: (-kv[1], kv[0]))
+
+    # -- shared state -------------------------------------------------------------------------
+    def snapshot(self) -> TransitionSnapshot:
+        return TransitionSnapshot.of(self.learner)
+
+    def absorb(self, snapshot: TransitionSnapshot) -> None:
+        """Add another replica's learned counts to the model used for predictions."""
+        if snapshot.half_life != self.learner.half_life:
+            raise ValueError(f"snapshot half_life {snapshot.half_life} differs from this policy's "
+                             f"transition_half_life {self.learner.half_life}")
+        self.learner.absorb(snapshot.decayed_rows())

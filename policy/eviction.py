@@ -1,0 +1,306 @@
+"""Which free cached block to evict next: per-group free lists ordered by a per-group score.
+
+Blocks are grouped by what they hold (a shared preamble, an agent's anchor, one session's context
+under one agent); every block of a group shares one survival score, so scoring costs O(groups), not
+O(blocks). Inside a group, free blocks wait in an intrusive doubly-linked list in the order they
+were freed (vLLM frees a request's blocks tail first, so a group loses its deepest blocks first).
+
+The next victim is the head of the group with the highest eviction key,
+    key = c * model + (1 - c) * log(age of the head + 1 ms),
+where `model` is the log of the predicted time to next use (set by the scorer) and c in [0, 1] the
+confidence in it. With c = 0 everywhere the key orders heads by age, ties by free order: exactly
+vLLM's LRU free queue. Choosing victims reads state only; `evict` is the one call that mutates.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Hashable, Iterable, Iterator
+
+_AGE_FLOOR_S = 1e-3
+_push = itertools.count()
+
+
+class Block:
+    """One cached block known to the index. Linked into its group's free list while free."""
+
+    __slots__ = ("key", "group", "seq", "freed_at", "free", "backed", "prev", "next")
+
+    def __init__(self, key: Hashable, group: Group) -> None:
+        self.key = key
+        self.group = group
+        self.seq = 0          # global free order: lower was freed earlier
+        self.freed_at = 0.0
+        self.free = False
+        self.backed = False   # a copy lives in a lower tier (cheaper to bring back than recompute)
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+
+class Group:
+    """Blocks that share one score. `model` and `conf` are written by the scorer."""
+
+    __slots__ = ("gid", "kind", "agent", "session", "parent", "head", "tail", "n_free",
+                 "n_backed_free", "n_blocks", "model", "conf", "stamp")
+
+    def __init__(self, gid: Hashable, kind: str, agent: str | None = None, session: Hashable | None = None,
+                 parent: Group | None = None) -> None:
+        self.gid = gid
+        self.kind = kind
+        self.agent = agent
+        self.session = session
+        self.parent = parent
+        self.head: Block | None = None  # oldest free block: evicted first within the group
+        self.tail: Block | None = None
+        self.n_free = 0
+        self.n_backed_free = 0
+        self.n_blocks = 0
+        self.model = 0.0
+        self.conf = 0.0
+        self.stamp = 0
+
+    def free_blocks(self) -> Iterator[Block]:
+        node = self.head
+        while node is not None:
+            yield node
+            node = node.next
+
+    def __repr__(self) -> str:
+        return f"Group({self.gid!r}, {self.kind}, free={self.n_free}/{self.n_blocks})"
+
+
+class EvictionIndex:
+    """Free cached blocks of a KV cache tier, and the order to evict them in."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[Hashable, Block] = {}
+        self._groups: dict[Hashable, Group] = {}
+        self._seq = 0
+        self.n_free = 0
+        self.default_group = self.group(("lru",), "other")
+        # Heap of group heads for `evict`, valid for one (time, scores) pair; stale entries are
+        # skipped by stamp, so keeping it current costs one push per head change.
+        self._heap: list[tuple] = []
+        self._heap_now: float | None = None
+        self._heap_epoch = -1
+        self.epoch = 0  # bumped by `scores_changed()`
+
+    # -- groups -------------------------------------------------------------------------------
+    def group(self, gid: Hashable, kind: str, *, agent: str | None = None, session: Hashable | None = None,
+              parent: Group | None = None) -> Group:
+        """The group with this id, created on first use."""
+        g = self._groups.get(gid)
+        if g is None:
+            g = self._groups[gid] = Group(gid, kind, agent, session, parent)
+        elif parent is not None and g.parent is not parent and parent is not g:
+            g.parent = parent
+        return g
+
+    def groups(self) -> Iterable[Group]:
+        return self._groups.values()
+
+    def get_group(self, gid: Hashable) -> Group | None:
+        return self._groups.get(gid)
+
+    def prune_groups(self) -> int:
+        """Forget groups that hold no block (callers must fetch groups through `group` again)."""
+        empty = [gid for gid, g in self._groups.items() if g.n_blocks == 0 and g is not self.default_group]
+        for gid in empty:
+            del self._groups[gid]
+        return len(empty)
+
+    # -- blocks -------------------------------------------------------------------------------
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self._blocks
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def block(self, key: Hashable) -> Block | None:
+        return self._blocks.get(key)
+
+    def add(self, key: Hashable, group: Group | None = None) -> Block:
+        """Track a newly cached block (in use, not free). Re-adding moves it to `group`."""
+        b = self._blocks.get(key)
+        if b is None:
+            g = group or self.default_group
+            b = self._blocks[key] = Block(key, g)
+            g.n_blocks += 1
+        elif group is not None and b.group is not group:
+            self.assign(b, group)
+        return b
+
+    def assign(self, b: Block, group: Group) -> None:
+        """Move a block to another group, keeping its place in free order."""
+        old = b.group
+        if old is group:
+            return
+        was_free = b.free
+        if was_free:
+            self._unlink(b)
+        old.n_blocks -= 1
+        group.n_blocks += 1
+        b.group = group
+        if was_free:
+            self._link_sorted(b)
+
+    def release(self, keys: Iterable[Hashable], now: float) -> None:
+        """Blocks whose last user finished: they join the tail of their group's free list."""
+        for key in keys:
+            b = self._blocks.get(key)
+            if b is None or b.free:
+                continue
+            self._seq += 1
+            b.seq = self._seq
+            b.freed_at = now
+            self._append(b)
+
+    def acquire(self, keys: Iterable[Hashable]) -> None:
+        """Blocks reused by a request (a cache hit): no longer candidates for eviction."""
+        for key in keys:
+            b = self._blocks.get(key)
+            if b is not None and b.free:
+                self._unlink(b)
+
+    def set_backed(self, key: Hashable, backed: bool) -> None:
+        b = self._blocks.get(key)
+        if b is None or b.backed == backed:
+            return
+        if b.free:
+            b.group.n_backed_free += 1 if backed else -1
+        b.backed = backed
+
+    def discard(self, key: Hashable) -> None:
+        """Forget a block that left the tier by other means."""
+        b = self._blocks.pop(key, None)
+        if b is None:
+            return
+        if b.free:
+            self._unlink(b)
+        b.group.n_blocks -= 1
+
+    # -- choosing and evicting ----------------------------------------------------------------
+    def victims(self, n: int, now: float) -> list[Hashable]:
+        """Keys of the next `n` free blocks to evict, best victim first. Changes nothing."""
+        if n <= 0 or self.n_free == 0:
+            return []
+        heap = []
+        for g in self._groups.values():
+            if g.head is not None:
+                heap.append(self._entry(g, g.head, now))
+        heapq.heapify(heap)
+        out: list[Hashable] = []
+        while heap and len(out) < n:
+            _, _, _, b = heapq.heappop(heap)
+            out.append(b.key)
+            nxt = b.next
+            if nxt is not None:
+                heapq.heappush(heap, self._entry(b.group, nxt, now))
+        return out
+
+    def evict(self, n: int, now: float) -> list[Hashable]:
+        """Remove and return the next `n` victims (the same ones `victims` names)."""
+        if self._heap_now != now or self._heap_epoch != self.epoch:
+            self._heap_now = now
+            self._heap_epoch = self.epoch
+            heap = self._heap = [self._entry(g, g.head, now) + (g, g.stamp)
+                                 for g in self._groups.values() if g.head is not None]
+            heapq.heapify(heap)
+        heap = self._heap
+        out: list[Hashable] = []
+        while heap and len(out) < n:
+            entry = heapq.heappop(heap)
+            b, g, stamp = entry[3], entry[4], entry[5]
+            if g.stamp != stamp:
+                continue  # the group's head changed since this entry was pushed
+            out.append(b.key)
+            self.discard(b.key)
+        return out
+
+    def scores_changed(self) -> None:
+        """The scorer rewrote `model`/`conf` of some groups: the next eviction re-sorts."""
+        self.epoch += 1
+
+    def _head_changed(self, g: Group) -> None:
+        g.stamp += 1
+        if self._heap_now is not None and g.head is not None:
+            heapq.heappush(self._heap, self._entry(g, g.head, self._heap_now) + (g, g.stamp))
+
+    @staticmethod
+    def _entry(g: Group, b: Block, now: float) -> tuple:
+        c = g.conf
+        age_term = math.log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S)
+        key = age_term if c <= 0.0 else c * g.model + (1.0 - c) * age_term
+        # heapq pops the smallest: negate so the highest key (farthest next use) comes first;
+        # ties go to the block freed first, as in LRU; the push number keeps entries comparable.
+        return (-key, b.seq, next(_push), b)
+
+    # -- linked-list plumbing (O(1), no allocation) --------------------------------------------
+    def _append(self, b: Block) -> None:
+        g = b.group
+        b.prev = g.tail
+        b.next = None
+        g.tail = b
+        if b.prev is None:
+            g.head = b
+            self._mark_free(b, g)
+            self._head_changed(g)
+        else:
+            b.prev.next = b
+            self._mark_free(b, g)
+
+    def _link_sorted(self, b: Block) -> None:
+        """Insert by free order (used when a free block changes group)."""
+        g = b.group
+        node = g.tail
+        while node is not None and node.seq > b.seq:
+            node = node.prev
+        if node is None:
+            b.prev = None
+            b.next = g.head
+            if g.head is not None:
+                g.head.prev = b
+            g.head = b
+            if g.tail is None:
+                g.tail = b
+            self._mark_free(b, g)
+            self._head_changed(g)
+            return
+        else:
+            b.prev = node
+            b.next = node.next
+            if node.next is not None:
+                node.next.prev = b
+            else:
+                g.tail = b
+            node.next = b
+        self._mark_free(b, g)
+
+    def _mark_free(self, b: Block, g: Group) -> None:
+        b.free = True
+        g.n_free += 1
+        if b.backed:
+            g.n_backed_free += 1
+        self.n_free += 1
+
+    def _unlink(self, b: Block) -> None:
+        g = b.group
+        was_head = b.prev is None
+        if was_head:
+            g.head = b.next
+        else:
+            b.prev.next = b.next
+        if b.next is None:
+            g.tail = b.prev
+        else:
+            b.next.prev = b.prev
+        b.prev = b.next = None
+        b.free = False
+        g.n_free -= 1
+        if b.backed:
+            g.n_backed_free -= 1
+        self.n_free -= 1
+        if was_head:
+            self._head_changed(g)

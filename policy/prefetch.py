@@ -1,0 +1,80 @@
+"""Prefetch planning: bring the anchors the next calls will most likely need closer to the GPU.
+
+Runs between requests, never on the serving path. Candidates are agents whose probability of being
+called next by at least one live session clears `prefetch_min_probability`, with model confidence
+above `prefetch_min_confidence`. For each, the planner looks at where the anchor's blocks are:
+blocks in the CPU tier are planned CPU -> GPU, blocks only in Redis are planned Redis -> CPU (one tier
+closer; a later step moves them on). Only the leading run of blocks present somewhere is considered,
+since a prefix hit stops at the first block that is nowhere. A load slower than recomputing is
+skipped, and the plan stays within the in-flight byte budget and the per-step action limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Hashable, Sequence
+
+from .config import PolicyConfig
+from .costs import RebuildCost
+
+Locate = Callable[[Hashable], "str | None"]  # block key -> "gpu", "cpu", "redis" or None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefetchCandidate:
+    agent: str
+    probability: float          # P(the agent is called next by some session)
+    anchor_keys: Sequence[Hashable]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefetchAction:
+    agent: str
+    src: str                    # "cpu" or "redis"
+    dst: str                    # "gpu" or "cpu"
+    keys: tuple[Hashable, ...]  # blocks to move, in prompt order
+    probability: float
+    bytes: int
+    load_s: float
+    recompute_s: float
+
+
+class PrefetchPlanner:
+    def __init__(self, cfg: PolicyConfig, cost: RebuildCost) -> None:
+        self.cfg = cfg
+        self.cost = cost
+
+    def plan(self, candidates: Sequence[PrefetchCandidate], confidence: float, locate: Locate,
+             inflight_bytes: int = 0) -> list[PrefetchAction]:
+        cfg = self.cfg
+        if confidence < cfg.prefetch_min_confidence or cfg.prefetch_max_actions == 0:
+            return []
+        budget = cfg.prefetch_max_inflight_bytes - inflight_bytes
+        ranked = sorted((c for c in candidates if c.probability >= cfg.prefetch_min_probability),
+                        key=lambda c: (-c.probability * len(c.anchor_keys), c.agent))
+        actions: list[PrefetchAction] = []
+        block_bytes = self.cost.block_bytes
+        for cand in ranked:
+            to_gpu: list[Hashable] = []
+            to_cpu: list[Hashable] = []
+            for key in cand.anchor_keys:
+                where = locate(key)
+                if where is None:
+                    break  # a prefix hit cannot reach past a block that is nowhere
+                if where == "cpu":
+                    to_gpu.append(key)
+                elif where == "redis":
+                    to_cpu.append(key)
+            for src, dst, keys in (("cpu", "gpu", to_gpu), ("redis", "cpu", to_cpu)):
+                if not keys or len(actions) >= cfg.prefetch_max_actions:
+                    continue
+                size = len(keys) * block_bytes
+                if size > budget or not self.cost.worth_loading(src, len(keys)):
+                    continue
+                budget -= size
+                actions.append(PrefetchAction(cand.agent, src, dst, tuple(keys), cand.probability, size,
+                                              self.cost.load_s(src, len(keys)),
+                                              len(keys) * self.cost.recompute_s))
+            if len(actions) >= cfg.prefetch_max_actions:
+                break
+        return actions

@@ -1,0 +1,240 @@
+"""Which workflow instance (session) a call belongs to, so transitions are counted within one.
+
+Evidence, strongest first:
+1. an explicit session hint (e.g. `kv_transfer_params["cachescout.session_id"]`);
+2. the prompt extends an earlier prompt of the same agent (chained hashes match past its end);
+3. content: the first tokens after the agent's anchor (the user's task, which every agent of the
+   workflow sees) cut into content-defined chunks, so the same text gives the same chunks whatever
+   anchor precedes it; a call joins the session it shares at least `session_min_shared_chunks`
+   chunks with. Chunks seen in two sessions (boilerplate) are ignored from then on;
+4. time (optional, weakest): the idle session whose last agent the learned chain finds most likely
+   to call this agent next, if that probability is high enough;
+otherwise the call starts a new session. Sessions idle past `session_idle_timeout_s` are over.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections import Counter, OrderedDict
+from collections.abc import Hashable, Iterator, Sequence
+
+from .config import PolicyConfig
+from .transitions import TransitionLearner
+
+_TIME_SCAN = 256            # idle sessions examined for a time-based match
+_CUT_MASK = 7               # a cut after ~1 token in 8: chunks of ~8 tokens
+_MIX = 0x9E3779B97F4A7C15   # odd 64-bit constant for the cut-point hash
+
+
+def content_chunks(tokens: Sequence[int], start: int, window: int) -> list[int]:
+    """Hashes of the complete content-defined chunks in tokens[start:start + window].
+
+    A cut falls after token i when a hash of tokens i-1 and i has its low bits zero, so the same
+    text is cut the same way at any offset; the partial chunks at both ends are dropped.
+    """
+    end = min(len(tokens), start + window)
+    out: list[int] = []
+    last_cut = -1
+    prev = tokens[start - 1] if start > 0 else 0
+    for i in range(max(start, 0), end):
+        tok = tokens[i]
+        if ((tok * _MIX) ^ (prev * 0x85EBCA6B)) >> 17 & _CUT_MASK == 0:
+            if last_cut >= 0:
+                out.append(hash(tuple(tokens[last_cut:i + 1])))
+            last_cut = i + 1
+        prev = tok
+    return out
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Session:
+    sid: Hashable
+    agent: str | None = None       # agent of the latest call
+    started_at: float = 0.0
+    last_call_at: float = 0.0
+    last_finish_at: float = 0.0
+    in_flight: int = 0
+    calls: int = 0
+    hinted: bool = False
+    chunks: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Assignment:
+    session: Session
+    previous_agent: str | None     # agent of the session's previous call (None: first call)
+    new: bool
+    evidence: str                  # "hint", "continuation", "content", "time" or "new"
+    previous_call_at: float | None  # when the session's previous call started
+
+
+class SessionTracker:
+    def __init__(self, config: PolicyConfig | None = None, learner: TransitionLearner | None = None) -> None:
+        self.cfg = config or PolicyConfig()
+        self.learner = learner
+        self._sessions: OrderedDict[Hashable, Session] = OrderedDict()  # least recent call first
+        self._chunk_owner: dict[int, Session] = {}
+        self._shared_chunks: OrderedDict[int, None] = OrderedDict()  # boilerplate, bounded
+        self._idle: OrderedDict[Hashable, Session] = OrderedDict()   # no call in flight, by finish time
+        self._ids = itertools.count(1)
+        self.agent_counts: Counter[str] = Counter()   # current agent of each live session
+        self.version = 0
+        self.evidence = Counter()
+
+    def __len__(self) -> int:
+        return len(self._sessions)
+
+    def __iter__(self) -> Iterator[Session]:
+        return iter(self._sessions.values())
+
+    def get(self, sid: Hashable) -> Session | None:
+        return self._sessions.get(sid)
+
+    # -- assignment ---------------------------------------------------------------------------
+    def assign(self, now: float, agent: str | None, *, hint: Hashable | None = None,
+               continues: Hashable | None = None, tokens: Sequence[int] | None = None,
+               content_start: int = 0) -> Assignment:
+        """Pick (or open) the session of a call that is starting now, and move it to `agent`."""
+        s: Session | None = None
+        evidence = "new"
+        chunks: list[int] = []
+        if hint is not None:
+            sid = ("hint", hint)
+            s = self._sessions.get(sid)
+            evidence = "hint"
+            if s is None:
+                s = self._open(now, sid, hinted=True)
+                evidence = "new"
+        if s is None and continues is not None:
+            s = self._sessions.get(continues)
+            if s is not None:
+                evidence = "continuation"
+        if s is None and tokens is not None:
+            chunks = content_chunks(tokens, content_start, self.cfg.session_window_tokens)
+            s = self._match_content(chunks)
+            if s is not None:
+                evidence = "content"
+        if s is None and agent is not None and self.cfg.session_time_association:
+            s = self._match_time(agent)
+            if s is not None:
+                evidence = "time"
+        new = s is None
+        if s is None:
+            s = self._open(now, ("auto", next(self._ids)))
+        if chunks:
+            self._register(s, chunks)
+        previous = s.agent if s.calls else None
+        previous_at = s.last_call_at if s.calls else None
+        self._move(s, agent)
+        s.calls += 1
+        s.in_flight += 1
+        s.last_call_at = now
+        self._idle.pop(s.sid, None)
+        self._sessions.move_to_end(s.sid)
+        self.evidence[evidence] += 1
+        self.version += 1
+        return Assignment(s, previous, new, evidence, previous_at)
+
+    def finished(self, sid: Hashable, now: float) -> None:
+        s = self._sessions.get(sid)
+        if s is not None and s.in_flight > 0:
+            s.in_flight -= 1
+            s.last_finish_at = now
+            if s.in_flight == 0:
+                self._idle[sid] = s
+
+    def close(self, sid: Hashable) -> Session | None:
+        s = self._sessions.pop(sid, None)
+        if s is not None:
+            self._forget(s)
+        return s
+
+    def expire(self, now: float) -> list[Session]:
+        """Close sessions idle past the timeout (and the oldest beyond the cap); returns them."""
+        out = []
+        timeout = self.cfg.session_idle_timeout_s
+        while self._sessions:
+            sid, s = next(iter(self._sessions.items()))
+            idle = now - max(s.last_call_at, s.last_finish_at)
+            if s.in_flight == 0 and idle > timeout or len(self._sessions) > self.cfg.max_sessions:
+                self._sessions.popitem(last=False)
+                self._forget(s)
+                out.append(s)
+            else:
+                break
+        return out
+
+    # -- internals ----------------------------------------------------------------------------
+    def _open(self, now: float, sid: Hashable, hinted: bool = False) -> Session:
+        s = Session(sid, started_at=now, last_call_at=now, hinted=hinted)
+        self._sessions[sid] = s
+        return s
+
+    def _move(self, s: Session, agent: str | None) -> None:
+        if s.agent is not None and s.calls:
+            self.agent_counts[s.agent] -= 1
+            if self.agent_counts[s.agent] <= 0:
+                del self.agent_counts[s.agent]
+        s.agent = agent
+        if agent is not None:
+            self.agent_counts[agent] += 1
+
+    def _forget(self, s: Session) -> None:
+        if s.agent is not None and s.calls:
+            self.agent_counts[s.agent] -= 1
+            if self.agent_counts[s.agent] <= 0:
+                del self.agent_counts[s.agent]
+        for c in s.chunks:
+            if self._chunk_owner.get(c) is s:
+                del self._chunk_owner[c]
+        self._idle.pop(s.sid, None)
+        self.version += 1
+
+    def _match_content(self, chunks: list[int]) -> Session | None:
+        votes: Counter[Session] = Counter()
+        informative = 0
+        for c in chunks:
+            owner = self._chunk_owner.get(c)
+            if owner is not None:
+                votes[owner] += 1
+            if c not in self._shared_chunks:
+                informative += 1
+        if not votes:
+            return None
+        (best, n), *rest = votes.most_common(2)
+        # Enough chunks, most of what is not known boilerplate, and no tie.
+        if n < self.cfg.session_min_shared_chunks or 2 * n < informative or (rest and rest[0][1] == n):
+            return None
+        return best if best.sid in self._sessions else None
+
+    def _register(self, s: Session, chunks: list[int]) -> None:
+        owners = self._chunk_owner
+        shared = self._shared_chunks
+        for c in chunks:
+            if c in shared:
+                continue
+            owner = owners.get(c)
+            if owner is None:
+                owners[c] = s
+                s.chunks.append(c)
+            elif owner is not s:
+                del owners[c]  # boilerplate two sessions share: evidence for neither, from now on
+                shared[c] = None
+                if len(shared) > 64 * self.cfg.max_sessions:
+                    shared.popitem(last=False)
+
+    def _match_time(self, agent: str) -> Session | None:
+        learner = self.learner
+        if learner is None:
+            return None
+        best = None
+        best_p = self.cfg.session_association_min_probability
+        # Longest-waiting first (they win ties); a bounded scan keeps this O(1) per call.
+        for s in itertools.islice(self._idle.values(), _TIME_SCAN):
+            if s.hinted or s.agent is None:
+                continue
+            p = learner.probability(s.agent, agent)
+            if p > best_p:
+                best, best_p = s, p
+        return best

@@ -1,0 +1,69 @@
+import random
+
+from cachescout.policy import PolicyConfig, SessionTracker, TransitionLearner, content_chunks
+
+
+def words(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1000, 30000) for _ in range(n)]
+
+
+def test_chunks_do_not_depend_on_the_offset():
+    text = words(1, 300)
+    a = content_chunks([1, 2, 3] + text, 3, 400)
+    b = content_chunks(words(9, 57) + text, 57, 400)
+    assert len(a) > 10
+    assert set(a[1:]) <= set(b)  # same text, same cuts; only the first partial chunk may differ
+
+
+def test_content_joins_calls_of_one_session_across_agents():
+    tracker = SessionTracker(PolicyConfig())
+    task_a, task_b = words(1, 150), words(2, 150)
+    s1 = tracker.assign(0.0, "sup", tokens=words(10, 40) + task_a, content_start=40)
+    s2 = tracker.assign(0.1, "sup", tokens=words(10, 40) + task_b, content_start=40)
+    assert s1.new and s2.new and s1.session is not s2.session
+    again = tracker.assign(1.0, "coder", tokens=words(20, 77) + task_a + words(3, 50), content_start=77)
+    assert again.session is s1.session and again.evidence == "content" and again.previous_agent == "sup"
+
+
+def test_boilerplate_shared_by_sessions_is_not_evidence():
+    tracker = SessionTracker(PolicyConfig())
+    boiler = words(7, 60)
+    for k in range(3):
+        tracker.assign(float(k), "a", tokens=boiler + words(100 + k, 100), content_start=0)
+    fresh = tracker.assign(5.0, "a", tokens=boiler + words(999, 100), content_start=0)
+    assert fresh.new
+
+
+def test_hint_wins_and_continuation_is_used():
+    tracker = SessionTracker(PolicyConfig())
+    a = tracker.assign(0.0, "sup", hint="wf-1")
+    b = tracker.assign(1.0, "coder", hint="wf-1")
+    assert a.session is b.session and b.evidence == "hint" and b.previous_agent == "sup"
+    c = tracker.assign(2.0, "coder", continues=a.session.sid)
+    assert c.session is a.session and c.evidence == "continuation"
+
+
+def test_idle_sessions_expire_and_are_reported():
+    tracker = SessionTracker(PolicyConfig(session_idle_timeout_s=10.0))
+    a = tracker.assign(0.0, "sup", hint="x")
+    assert tracker.expire(50.0) == []            # a call is in flight: not idle
+    tracker.finished(a.session.sid, 1.0)
+    assert tracker.expire(5.0) == []
+    assert tracker.expire(12.0) == [a.session]
+    assert len(tracker) == 0 and not tracker.agent_counts
+
+
+def test_time_association_follows_the_chain():
+    learner = TransitionLearner()
+    for _ in range(20):
+        learner.update("coder", "sup")
+    tracker = SessionTracker(PolicyConfig(), learner)
+    a = tracker.assign(0.0, "coder")
+    tracker.finished(a.session.sid, 1.0)
+    b = tracker.assign(2.0, "sup")
+    assert b.session is a.session and b.evidence == "time"
+    off = SessionTracker(PolicyConfig(session_time_association=False), learner)
+    x = off.assign(0.0, "coder")
+    off.finished(x.session.sid, 1.0)
+    assert off.assign(2.0, "sup").new
