@@ -40,15 +40,18 @@ class PolicyConfig:
 
     # Sessions (one workflow instance).
     session_idle_timeout_s: float = _setting(
-        600.0, "seconds without a call after which an inferred session is over", lo=0, lo_open=True)
+        300.0, "seconds without a call after which a session is over, at most", lo=0, lo_open=True)
+    session_idle_gap_factor: float = _setting(
+        20.0, "a session is also over after this many times the typical gap between its calls "
+        "(at least 5 s); 0 disables", lo=0)
     max_sessions: int = _setting(8192, "sessions tracked at once; the least recent are closed first",
                                  lo=1, hi=10_000_000)
     session_window_tokens: int = _setting(
         192, "tokens after the anchor whose content identifies a session", lo=8, hi=65536)
     session_min_shared_chunks: int = _setting(
-        2, "content chunks a call must share with a session to join it", lo=1, hi=1024)
+        3, "content chunks a call must share with a session to join it", lo=1, hi=1024)
     session_time_association: bool = _setting(
-        True, "with no hint and no content match, join the idle session the chain finds most likely")
+        True, "for calls without tokens and no hint: join the idle session the chain finds most likely")
     session_association_min_probability: float = _setting(
         0.3, "transition probability needed for a time-based session match", lo=0, hi=1)
 

@@ -94,6 +94,7 @@ class CacheScoutPolicy:
         self._aliases: dict[str, str] = {}        # inferred agent id -> hinted name for it
         self._next_hint: dict[Hashable, str] = {}  # session -> agent it will call next (hinted)
         self._pending: deque = deque()
+        self._gap_samples = 0
         self._max_pending = max_pending
         self.stats: Counter[str] = Counter()
 
@@ -135,10 +136,11 @@ class CacheScoutPolicy:
         # (past the anchor, and past task text other sessions repeated).
         start = max(fp.anchor_blocks if fp.agent else fp.preamble_blocks, fp.matched_blocks) * self.cfg.block_size
         a = self.sessions.assign(now, agent, hint=hints.session if hints else None, continues=fp.continues,
-                                 tokens=tokens, content_start=start)
+                                 candidates=fp.candidates, tokens=tokens, content_start=start)
         s = a.session
         if a.previous_call_at is not None and now > a.previous_call_at:
             self.scorer.step_s += _EMA * ((now - a.previous_call_at) - self.scorer.step_s)
+            self._gap_samples += 1
         self.scorer.new_session_share += _EMA * ((1.0 if a.new else 0.0) - self.scorer.new_session_share)
 
         src = START if a.new else a.previous_agent
@@ -166,18 +168,19 @@ class CacheScoutPolicy:
         self.stats["recognised"] += agent is not None
         return obs
 
-    def finish(self, request_id: Hashable, now: float | None = None) -> None:
-        """The request's call ended (its blocks are released separately, by `blocks_freed`)."""
+    def finish(self, request_id: Hashable, now: float | None = None, output_tokens: Sequence[int] | None = None) -> None:
+        """The request's call ended (its blocks are released separately, by `blocks_freed`).
+        `output_tokens`, when given, help recognise the session of the call that uses them next."""
         live = self._live.pop(request_id, None)
         if live is not None:
-            self.sessions.finished(live.obs.session, self.clock() if now is None else now)
+            self.sessions.finished(live.obs.session, self.clock() if now is None else now, output_tokens)
 
     def observation(self, request_id: Hashable) -> Observation | None:
         live = self._live.get(request_id)
         return None if live is None else live.obs
 
     def _expire(self, now: float) -> None:
-        for s in self.sessions.expire(now):
+        for s in self.sessions.expire(now, self.scorer.step_s if self._gap_samples >= 32 else None):
             self._next_hint.pop(s.sid, None)
             if s.agent is not None:
                 self.learner.update(s.agent, END)
@@ -212,6 +215,13 @@ class CacheScoutPolicy:
                 index.add(key, group)
         index.acquire(block_keys[:num_cached])
         live.blocks = n
+
+    def extend_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable]) -> None:
+        """Blocks the request filled while decoding (its output): filed with its context."""
+        live = self._live.get(request_id)
+        group = self._groups_for(live.obs)[2] if live is not None else None
+        for key in block_keys:
+            self.index.add(key, group)
 
     def _groups_for(self, obs: Observation) -> tuple[Group | None, Group | None, Group]:
         fp = obs.fingerprint

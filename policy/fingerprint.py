@@ -11,9 +11,12 @@ Vocabulary:
   (at least `fingerprint_min_support` and `fingerprint_min_share` of recent traffic). Agent anchors
   are shared prefixes; so are framework headers and versions of an anchor.
 - preamble: a shared prefix below which at least two shared prefixes are active and together carry
-  most of its traffic (a framework header several agents start with). Task text repeated by a few
-  sessions also makes a shared prefix, but it carries a small share of its parent, so it never turns
-  an agent's anchor into a preamble.
+  most of its traffic (a framework header several agents start with), and sessions show it: they
+  move between its children (one workflow calls several agents), or many sessions go into each
+  child (an agent serves many workflows). Task text that several sessions repeat under one agent
+  makes shared prefixes too, but there each session goes into a child of its own. Without session
+  evidence, a preamble is one whose traffic is concentrated on at most 16 children. (An agent whose
+  whole traffic is a handful of identical task texts looks like that many agents; hints resolve it.)
 - agent key: the hash of the first block after the deepest preamble on the path (the root is the
   preamble of agents that share nothing). An anchor that changes near its end (a tool appended) keeps
   that block, so it keeps its agent once its old version stops receiving traffic.
@@ -36,8 +39,14 @@ from collections.abc import Hashable, Sequence
 from .config import PolicyConfig
 
 _MASK64 = (1 << 64) - 1
-_CROSSED = -1          # `via` value: the session went through two different shared prefixes below
+_MAX_CANDIDATES = 8    # sessions remembered for a prompt several sessions sent identically
+
+
+class _Shared(tuple):
+    """Owner of a prompt that several sessions sent identically: any of them may continue it."""
+_CROSSED = object()    # `via` value: the session went into two different children
 _VIA_SESSIONS = 64     # sessions remembered per shared prefix
+_SESSIONS_PER_AGENT = 3  # sessions per child above which children are agents, not task text
 _MAX_CONCENTRATED = 16  # without session evidence, a preamble's top children carry half its traffic
 _SIGN64 = 1 << 63
 
@@ -55,7 +64,7 @@ def block_key(h: object) -> int:
 
 class _Node:
     __slots__ = ("nid", "parent", "start", "end", "seq", "children", "support", "last_seen",
-                 "recent", "flagged", "flag_kids", "owner", "pre_at", "pre_val",
+                 "recent", "flagged", "flag_kids", "end_owner", "pre_at", "pre_val",
                  "via")
 
     def __init__(self, nid: int, parent: _Node | None, start: int, end: int, seq: array) -> None:
@@ -70,10 +79,10 @@ class _Node:
         self.last_seen = 0
         self.flagged = False            # is a shared prefix
         self.flag_kids: set[_Node] | None = None  # nearest shared prefixes below this one
-        self.owner: Hashable | None = None        # session of the latest prompt ending below
+        self.end_owner: object = None   # session (or _Shared sessions) whose prompt ended here
         self.pre_at = -1                # request number when `pre_val` was computed
         self.pre_val = False
-        self.via: OrderedDict | None = None  # session -> shared prefix below taken (or _CROSSED)
+        self.via: OrderedDict | None = None  # session -> child taken (first hash), or _CROSSED
 
 
 @dataclasses.dataclass(slots=True)
@@ -103,6 +112,7 @@ class Fingerprint:
     matched_blocks: int          # leading blocks identical to a prompt seen before
     continues: Hashable | None   # session whose earlier prompt this one continues, if any
     leaf: int                    # handle for `set_owner`
+    candidates: tuple = ()       # sessions that sent the continued prompt identically (ambiguous)
 
 
 class AgentFingerprinter:
@@ -127,7 +137,8 @@ class AgentFingerprinter:
         self.requests = 0
         self.retired: list[str] = []        # agents aged out since the caller last looked
         self._active_window = max(64, int(cfg.fingerprint_half_life // 4))
-        self._pending: OrderedDict[int, list[tuple[_Node, _Node]]] = OrderedDict()  # leaf -> steps
+        self._pending: OrderedDict[int, list[tuple[_Node, int]]] = OrderedDict()  # leaf -> (prefix, child)
+        self._repeats: OrderedDict[int, bool] = OrderedDict()  # handles of prompts seen before
         self._sweep_every = 256
 
     # -- public -------------------------------------------------------------------------------
@@ -151,6 +162,7 @@ class AgentFingerprinter:
         node = root
         d = 0
         path: list[_Node] = []
+        ends_inside: _Node | None = None
         while d < n:
             kids = node.children
             ch = kids.get(hashes[d]) if kids else None
@@ -178,25 +190,39 @@ class AgentFingerprinter:
             if j < n:               # diverges inside the edge: the split point is a branch
                 node = self._split(ch, j)
                 path.append(node)
-            d = j                   # (or ends inside the edge: a prefix of an earlier prompt)
+            else:                   # ends inside the edge: a prefix of an earlier prompt
+                ends_inside = ch
+            d = j
             break
         matched = d
 
+        # The deepest point where an earlier prompt ended and that this one goes past: this
+        # prompt continues that one (a session's next call to the same agent).
+        last_end = None
+        for p in path:
+            if p.end_owner is not None and p.end < n:
+                last_end = p
+        previous = last_end.end_owner if last_end is not None else None
         leaf = node
-        continues = None
+        repeat = False
         if d < n:
             if node.children is None and node is not root and not node.flagged:
-                # The prompt extends an earlier prompt past its end (a session's next call to the
-                # same agent): grow that tail in place. Its support restarts, so one session's
+                # Grow the earlier prompt's tail in place. Its support restarts, so one session's
                 # repeated calls never look like a prefix shared between requests.
-                continues = node.owner
                 node.seq.extend(hashes[node.end:n])
                 node.end = n
+                node.end_owner = None
                 node.support = 0.0
                 node.recent = 0.0
             else:
                 leaf = self._new_leaf(node, hashes, d, n)
                 path.append(leaf)
+        else:
+            # The prompt ends where an earlier one passed: give its end a node of its own.
+            if ends_inside is not None:
+                leaf = self._split(ends_inside, n)
+                path.append(leaf)
+            repeat = leaf is not root
         if leaf is not root and leaf.children is None:
             self._leaves[leaf.nid] = leaf
             self._leaves.move_to_end(leaf.nid)
@@ -220,12 +246,15 @@ class AgentFingerprinter:
                 else:
                     shared.append(p)
 
-        if shared:
-            steps = [(self.root, shared[0])] + list(zip(shared, shared[1:]))
-            self._pending[leaf.nid] = steps
-            if len(self._pending) > 1024:
-                self._pending.popitem(last=False)
-        fp = self._label(hashes, n, shared, matched, continues, leaf, t)
+        steps = [(p, hashes[p.end]) for p in (root, *shared) if p.end < n]
+        self._pending[leaf.nid] = steps
+        if len(self._pending) > 1024:
+            self._pending.popitem(last=False)
+        if repeat:
+            self._repeats[leaf.nid] = True
+            if len(self._repeats) > 1024:
+                self._repeats.popitem(last=False)
+        fp = self._label(hashes, n, shared, matched, previous, last_end, leaf, t)
         if t % self._sweep_every == 0:
             self._sweep(thr)
         self._age_out()
@@ -240,18 +269,27 @@ class AgentFingerprinter:
         several sessions repeat under one agent.
         """
         node = self._nodes.get(leaf)
+        repeat = self._repeats.pop(leaf, False)
         if node is not None:
-            node.owner = session
-        for parent, kid in self._pending.pop(leaf, ()):
+            owner = node.end_owner
+            if repeat and owner is not None and owner != session:
+                # Several sessions sent this very prompt: remember them all (a few).
+                members = owner if isinstance(owner, _Shared) else (owner,)
+                if session not in members:
+                    members = (members + (session,))[-_MAX_CANDIDATES:]
+                node.end_owner = _Shared(members)
+            else:
+                node.end_owner = session
+        for parent, child in self._pending.pop(leaf, ()):
             via = parent.via
             if via is None:
                 via = parent.via = OrderedDict()
             seen = via.get(session)
             if seen is None:
-                via[session] = kid.nid
+                via[session] = child
                 if len(via) > _VIA_SESSIONS:
                     via.popitem(last=False)
-            elif seen != kid.nid and seen != _CROSSED:
+            elif seen != child and seen is not _CROSSED:
                 via[session] = _CROSSED
                 parent.pre_at = -1
 
@@ -266,8 +304,8 @@ class AgentFingerprinter:
                 "agents": len(self._agents), "stored_hashes": sum(len(x.seq) for x in self._nodes.values())}
 
     # -- labelling ----------------------------------------------------------------------------
-    def _label(self, hashes: Sequence[int], n: int, shared: list[_Node], matched: int,
-               continues: Hashable | None, leaf: _Node, t: int) -> Fingerprint:
+    def _label(self, hashes: Sequence[int], n: int, shared: list[_Node], matched: int, previous: object,
+               last_end: _Node | None, leaf: _Node, t: int) -> Fingerprint:
         pre = self.root
         pre_i = -1
         for i, p in enumerate(shared):
@@ -283,16 +321,25 @@ class AgentFingerprinter:
                     anchor = p
                 else:
                     break
+        # A prompt that ended past the anchor (a session's context, not just the agent's text).
+        continues = None
+        candidates: tuple = ()
+        if previous is not None and last_end.end > (anchor.end if anchor is not None else pre.end):
+            if isinstance(previous, _Shared):
+                candidates = tuple(previous)
+            else:
+                continues = previous
         agent = None
         if pre.end < n:
             agent = self._agent_for(hashes, pre, shared[:pre_i + 1], anchor, t)
         if agent is None:
-            return Fingerprint(None, 0, 0, pre.end, pre.nid, shared_end, matched, continues, leaf.nid)
+            return Fingerprint(None, 0, 0, pre.end, pre.nid, shared_end, matched, continues, leaf.nid,
+                               candidates)
         anchor_blocks = agent.anchor_blocks
         if anchor is None and not (anchor_blocks <= n and hashes[anchor_blocks - 1] == agent.anchor_path[-1]):
             anchor_blocks = pre.end  # a version of the anchor not yet learned: only the preamble is sure
         return Fingerprint(agent.agent_id, anchor_blocks, agent.anchor_node, pre.end, pre.nid,
-                           shared_end, matched, continues, leaf.nid)
+                           shared_end, matched, continues, leaf.nid, candidates)
 
     def _is_preamble(self, p: _Node, t: int) -> bool:
         if t - p.pre_at < 16:
@@ -319,13 +366,16 @@ class AgentFingerprinter:
         """Do sessions move between the shared prefixes below `p` (then it is a preamble)?"""
         via = p.via
         if via:
-            crossed = sum(1 for v in via.values() if v == _CROSSED)
-            # a session seen once tells nothing; count those seen twice or more
-            if crossed >= 2 or (crossed and crossed >= 0.25 * len(via)):
+            crossed = sum(1 for v in via.values() if v is _CROSSED)
+            # Sessions moving between the children: agents under a shared header.
+            if crossed >= 2:
                 return True
-            if len(via) >= 8:
-                return False
-        # No session evidence: a preamble's traffic is concentrated on a few children.
+            # Many sessions per child: agents (each used by many workflows). About one session
+            # per child: task text (each workflow has its own, a few repeat it).
+            if len(via) >= 16:
+                children = {v for v in via.values() if v is not _CROSSED}
+                return len(via) - crossed >= _SESSIONS_PER_AGENT * len(children)
+        # Without session evidence: a preamble's traffic is concentrated on a few children.
         shares = sorted((k.recent for k in kids), reverse=True)
         half = 0.5 * sum(shares)
         acc = 0.0
@@ -393,7 +443,6 @@ class AgentFingerprinter:
         mid.support = ch.support
         mid.recent = ch.recent
         mid.last_seen = ch.last_seen
-        mid.owner = ch.owner
         first = ch.seq[0]
         ch.seq = ch.seq[k:]
         ch.start = j

@@ -3,13 +3,18 @@
 Evidence, strongest first:
 1. an explicit session hint (e.g. `kv_transfer_params["cachescout.session_id"]`);
 2. the prompt extends an earlier prompt of the same agent (chained hashes match past its end);
-3. content: the first tokens after the agent's anchor (the user's task, which every agent of the
-   workflow sees) cut into content-defined chunks, so the same text gives the same chunks whatever
-   anchor precedes it; a call joins the session it shares at least `session_min_shared_chunks`
-   chunks with. Chunks seen in two sessions (boilerplate) are ignored from then on;
-4. time (optional, weakest): the idle session whose last agent the learned chain finds most likely
-   to call this agent next, if that probability is high enough;
-otherwise the call starts a new session. Sessions idle past `session_idle_timeout_s` are over.
+3. content: the first tokens of the prompt past everything seen before (the user's task, the
+   supervisor's instruction: text that travels between the agents of one workflow), cut into
+   content-defined chunks, so the same text gives the same chunks whatever anchor precedes it.
+   Chunks come from prompts and from outputs (an output is usually part of the next prompt). A call
+   joins the session that owns at least `session_min_shared_chunks` of its chunks and most of the
+   chunks any session owns; chunks seen in two sessions (boilerplate) are ignored from then on;
+4. time (optional, weakest, only for calls that carry no tokens, as in hash-only traces): the idle
+   session whose last agent the learned chain finds most likely to call this agent next, if that
+   probability is high enough;
+otherwise the call starts a new session. Contexts are assumed append-only, so a session that has
+already called this agent is never a candidate for 3 or 4 (its repeat calls are continuations).
+Sessions idle past `session_idle_timeout_s` are over.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from collections.abc import Hashable, Iterator, Sequence
 from .config import PolicyConfig
 from .transitions import TransitionLearner
 
+_MIN_IDLE_S = 5.0           # never call a session over sooner than this
 _TIME_SCAN = 256            # idle sessions examined for a time-based match
 _CUT_MASK = 7               # a cut after ~1 token in 8: chunks of ~8 tokens
 _MIX = 0x9E3779B97F4A7C15   # odd 64-bit constant for the cut-point hash
@@ -58,6 +64,7 @@ class Session:
     calls: int = 0
     hinted: bool = False
     chunks: list[int] = dataclasses.field(default_factory=list)
+    called: set[str] = dataclasses.field(default_factory=set)  # agents this session has called
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -93,9 +100,12 @@ class SessionTracker:
 
     # -- assignment ---------------------------------------------------------------------------
     def assign(self, now: float, agent: str | None, *, hint: Hashable | None = None,
-               continues: Hashable | None = None, tokens: Sequence[int] | None = None,
-               content_start: int = 0) -> Assignment:
-        """Pick (or open) the session of a call that is starting now, and move it to `agent`."""
+               continues: Hashable | None = None, candidates: Sequence[Hashable] = (),
+               tokens: Sequence[int] | None = None, content_start: int = 0) -> Assignment:
+        """Pick (or open) the session of a call that is starting now, and move it to `agent`.
+
+        `candidates`: sessions that sent the continued prompt identically; content decides
+        between them."""
         s: Session | None = None
         evidence = "new"
         chunks: list[int] = []
@@ -112,10 +122,16 @@ class SessionTracker:
                 evidence = "continuation"
         if s is None and tokens is not None:
             chunks = content_chunks(tokens, content_start, self.cfg.session_window_tokens)
-            s = self._match_content(chunks)
+            if candidates:
+                live = {self._sessions[c] for c in candidates if c in self._sessions}
+                s = self._match_content(chunks, None, among=live) if live else None
+                if s is not None:
+                    evidence = "continuation"
+            if s is None:
+                s = self._match_content(chunks, agent)
             if s is not None:
                 evidence = "content"
-        if s is None and agent is not None and self.cfg.session_time_association:
+        if s is None and tokens is None and agent is not None and self.cfg.session_time_association:
             s = self._match_time(agent)
             if s is not None:
                 evidence = "time"
@@ -127,6 +143,8 @@ class SessionTracker:
         previous = s.agent if s.calls else None
         previous_at = s.last_call_at if s.calls else None
         self._move(s, agent)
+        if agent is not None:
+            s.called.add(agent)
         s.calls += 1
         s.in_flight += 1
         s.last_call_at = now
@@ -136,8 +154,12 @@ class SessionTracker:
         self.version += 1
         return Assignment(s, previous, new, evidence, previous_at)
 
-    def finished(self, sid: Hashable, now: float) -> None:
+    def finished(self, sid: Hashable, now: float, output: Sequence[int] | None = None) -> None:
+        """A call of the session ended. Its output usually reappears in the next agent's prompt
+        (an instruction, an answer), so its leading chunks become evidence for this session."""
         s = self._sessions.get(sid)
+        if s is not None and output:
+            self._register(s, content_chunks(output, 0, self.cfg.session_window_tokens))
         if s is not None and s.in_flight > 0:
             s.in_flight -= 1
             s.last_finish_at = now
@@ -150,10 +172,16 @@ class SessionTracker:
             self._forget(s)
         return s
 
-    def expire(self, now: float) -> list[Session]:
-        """Close sessions idle past the timeout (and the oldest beyond the cap); returns them."""
+    def expire(self, now: float, typical_gap_s: float | None = None) -> list[Session]:
+        """Close sessions idle past the timeout (and the oldest beyond the cap); returns them.
+
+        The timeout is `session_idle_timeout_s`, or less: `session_idle_gap_factor` times the
+        typical gap between two calls of a session (at least 5 s), so that a workflow's end is
+        learned about as fast as its calls come."""
         out = []
         timeout = self.cfg.session_idle_timeout_s
+        if typical_gap_s is not None and self.cfg.session_idle_gap_factor > 0:
+            timeout = min(timeout, max(_MIN_IDLE_S, self.cfg.session_idle_gap_factor * typical_gap_s))
         while self._sessions:
             sid, s = next(iter(self._sessions.items()))
             idle = now - max(s.last_call_at, s.last_finish_at)
@@ -191,20 +219,23 @@ class SessionTracker:
         self._idle.pop(s.sid, None)
         self.version += 1
 
-    def _match_content(self, chunks: list[int]) -> Session | None:
+    def _match_content(self, chunks: list[int], agent: str | None, among: set | None = None) -> Session | None:
         votes: Counter[Session] = Counter()
-        informative = 0
+        known = 0
         for c in chunks:
             owner = self._chunk_owner.get(c)
-            if owner is not None:
-                votes[owner] += 1
-            if c not in self._shared_chunks:
-                informative += 1
+            if owner is not None and (among is None or owner in among):
+                known += 1
+                # Contexts are append-only: a session's repeat call to an agent extends its earlier
+                # prompt and is caught as a continuation, so a session that already called this
+                # agent is not a candidate (this also stops boilerplate from merging sessions).
+                if agent is None or agent not in owner.called:
+                    votes[owner] += 1
         if not votes:
             return None
         (best, n), *rest = votes.most_common(2)
-        # Enough chunks, most of what is not known boilerplate, and no tie.
-        if n < self.cfg.session_min_shared_chunks or 2 * n < informative or (rest and rest[0][1] == n):
+        # Enough chunks, most of those any session owns, and no tie.
+        if n < self.cfg.session_min_shared_chunks or 2 * n < known or (rest and rest[0][1] == n):
             return None
         return best if best.sid in self._sessions else None
 
@@ -232,7 +263,7 @@ class SessionTracker:
         best_p = self.cfg.session_association_min_probability
         # Longest-waiting first (they win ties); a bounded scan keeps this O(1) per call.
         for s in itertools.islice(self._idle.values(), _TIME_SCAN):
-            if s.hinted or s.agent is None:
+            if s.hinted or s.agent is None or agent in s.called:
                 continue
             p = learner.probability(s.agent, agent)
             if p > best_p:

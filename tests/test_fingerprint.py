@@ -78,7 +78,7 @@ def test_anchor_version_change_keeps_the_agent():
 
 def test_task_text_repeated_by_sessions_does_not_split_an_agent():
     anchors = {n: anchor(n, 12) for n in "AB"}
-    fp, labels = run(anchors, 1500, shared_tasks=8)  # 8 task texts shared by many sessions
+    fp, labels = run(anchors, 3000, shared_tasks=80)  # a pool of 80 task texts, as MT-Bench has
     top, by_agent = majority(labels, since=200)
     for a, (lab, n) in top.items():
         assert n / sum(by_agent[a].values()) > 0.97
