@@ -1,0 +1,60 @@
+"""Eviction policies the replay compares, by name. Look-ups go through one registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig
+
+from .replay import LRUPolicy, ReplayPolicy, Request
+
+
+class CacheScoutReplay(ReplayPolicy):
+    """CacheScout's policy core steering the GPU prefix cache's eviction order."""
+
+    def __init__(self, config: PolicyConfig | None = None, *, hints: bool = False, name: str = "cachescout") -> None:
+        self.name = name
+        self.now = 0.0
+        self.core = CacheScoutPolicy(config, clock=lambda: self.now)
+        self.hints = hints
+        self.observations: list = []   # (request, Observation), for accuracy figures
+
+    def arrived(self, req: Request, now: float) -> None:
+        self.now = now
+        hints = Hints(agent=req.agent, session=req.session.session_id) if self.hints else None
+        obs = self.core.observe(req, req.hashes, tokens=req.tokens, hints=hints, now=now)
+        self.observations.append((req, obs))
+
+    def reused(self, keys: Sequence[Hashable], now: float) -> None:
+        self.core.blocks_reused(keys)
+
+    def admitted(self, req: Request, keys: Sequence[Hashable], num_cached: int, now: float) -> None:
+        self.core.admit_blocks(req, keys, num_cached)
+
+    def cached(self, req: Request, keys: Sequence[Hashable], now: float) -> None:
+        self.core.extend_blocks(req, keys)
+
+    def freed(self, keys: Sequence[Hashable], now: float) -> None:
+        self.core.blocks_freed(keys, now)
+
+    def evict(self, n: int, now: float) -> list[Hashable]:
+        self.now = now
+        return self.core.evict(n, now)
+
+    def finished(self, req: Request, now: float) -> None:
+        self.core.finish(req, now, output_tokens=req.call.output)
+
+
+REGISTRY: dict[str, Callable[[PolicyConfig], ReplayPolicy]] = {
+    "lru": lambda cfg: LRUPolicy(),
+    "cachescout": lambda cfg: CacheScoutReplay(cfg),
+    "cachescout-hints": lambda cfg: CacheScoutReplay(cfg, hints=True, name="cachescout-hints"),
+}
+
+
+def make_policy(name: str, config: PolicyConfig) -> ReplayPolicy:
+    try:
+        factory = REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}") from None
+    return factory(config)

@@ -1,0 +1,420 @@
+"""A fast replay of vLLM's GPU prefix cache and scheduler on a virtual clock.
+
+Modelled after vLLM v1 (block semantics are exact, timing comes from a cost model):
+- KV blocks of `block_size` tokens; only full blocks are cached, under chained hashes; a prefix
+  hit is the longest run of cached leading blocks, and at least the prompt's last token is always
+  recomputed (as vLLM does).
+- Blocks have reference counts; a block whose count drops to zero stays cached and becomes
+  evictable. Blocks without content are handed out first; when none is left the eviction policy
+  chooses which cached free block to evict (vLLM: the head of its LRU free queue). A finished
+  request frees its blocks tail first.
+- Continuous batching: each step decodes one token for every running request and fills the rest of
+  the token budget with prefill chunks (chunked prefill), admitting waiting requests in arrival order
+  while there is room in the batch and blocks to allocate. When a decode step finds no block, the
+  most recently admitted request is preempted and recomputed later (vLLM's recompute preemption).
+- Step time = overhead + prefill tokens x per-token prefill cost + a decode pass (weights read once)
+  + KV read for every running request's context.
+Sessions are closed loops: a session's next call is issued a think time after its previous call ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import math
+from collections import OrderedDict, deque
+from collections.abc import Callable, Hashable, Sequence
+
+from .workloads import Call, Session
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CostProfile:
+    """Step-time coefficients. Defaults: Llama-3.1-8B (bf16) on one H200; see docs/benchmark.md."""
+
+    name: str = "llama3.1-8b-h200"
+    step_overhead_s: float = 1.5e-3        # scheduler, launch and sampling per step
+    prefill_s_per_token: float = 4.0e-5    # 2 x 8e9 FLOP / (790 TFLOP/s x ~0.5 MFU)
+    decode_pass_s: float = 4.2e-3          # 16 GB of weights / (4.8 TB/s x ~0.8)
+    kv_read_s_per_token: float = 3.4e-8    # 128 KiB of KV per context token / (4.8 TB/s x ~0.8)
+
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+        t = self.step_overhead_s + prefill_tokens * self.prefill_s_per_token
+        if decode_seqs:
+            t += self.decode_pass_s + context_tokens * self.kv_read_s_per_token
+        return t
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class EngineConfig:
+    gpu_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_batched_tokens: int = 8192
+    cost: CostProfile = CostProfile()
+
+    def __post_init__(self) -> None:
+        for name in ("gpu_blocks", "block_size", "max_num_seqs", "max_batched_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+
+
+class ReplayPolicy:
+    """Eviction policy of the GPU prefix cache, and what it is told. Subclasses override."""
+
+    name = "base"
+
+    def arrived(self, req: Request, now: float) -> None:
+        """A call entered the engine (vLLM's add_request)."""
+
+    def reused(self, keys: Sequence[Hashable], now: float) -> None:
+        """Free cached blocks a call just hit: no longer evictable (called before any eviction)."""
+
+    def admitted(self, req: Request, keys: Sequence[Hashable], num_cached: int, now: float) -> None:
+        """The call holds these cached blocks (prompt order); the first `num_cached` were hits."""
+
+    def cached(self, req: Request, keys: Sequence[Hashable], now: float) -> None:
+        """Decode filled new blocks of the call; they are now cached."""
+
+    def freed(self, keys: Sequence[Hashable], now: float) -> None:
+        """Cached blocks whose reference count dropped to zero, in the order freed."""
+
+    def evict(self, n: int, now: float) -> list[Hashable]:
+        raise NotImplementedError
+
+    def finished(self, req: Request, now: float) -> None:
+        """The call ended."""
+
+
+class LRUPolicy(ReplayPolicy):
+    """vLLM's own order: cached free blocks leave from the head of the free queue."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self.free: OrderedDict[Hashable, None] = OrderedDict()
+
+    def reused(self, keys, now):
+        for k in keys:
+            del self.free[k]
+
+    def freed(self, keys, now):
+        for k in keys:
+            self.free[k] = None
+
+    def evict(self, n, now):
+        out = []
+        free = self.free
+        while free and len(out) < n:
+            out.append(free.popitem(last=False)[0])
+        return out
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class Request:
+    session: Session
+    index: int
+    call: Call
+    issued_at: float
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    hashes: list[int] = dataclasses.field(default_factory=list)     # full prompt blocks
+    keys: list[int] = dataclasses.field(default_factory=list)       # cached blocks held (prompt, then output)
+    prompt_len: int = 0
+    computed: int = 0            # prompt tokens computed so far
+    generated: int = 0
+    hit_tokens: int = 0
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    partial_blocks: int = 0      # blocks held that are not (yet) full
+    last_hash: int = 0
+    preempted: int = 0
+    running: bool = False
+    tag: object = None           # for the policy's use
+
+    @property
+    def agent(self) -> str:
+        return self.call.agent
+
+
+def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = 0, start: int = 0) -> list[int]:
+    """vLLM-style chained hashes of the full blocks of tokens[start:]."""
+    out = []
+    h = parent
+    for i in range(start, len(tokens) - block_size + 1, block_size):
+        h = hash((h, tuple(tokens[i:i + block_size])))
+        out.append(h)
+    return out
+
+
+@dataclasses.dataclass(slots=True)
+class ReplayResult:
+    policy: str
+    requests: list[Request]
+    makespan_s: float
+    steps: int
+    preemptions: int
+    evictions: int
+
+    def summary(self) -> dict:
+        reqs = [r for r in self.requests if r.finished_at is not None]
+        prompt = sum(r.prompt_len for r in reqs)
+        hit = sum(r.hit_tokens for r in reqs)
+        ttft = sorted(r.first_token_at - r.issued_at for r in reqs)
+        e2e = [r.finished_at - r.issued_at for r in reqs]
+        return {
+            "policy": self.policy,
+            "calls": len(reqs),
+            "prompt_tokens": prompt,
+            "token_hit_rate": hit / prompt if prompt else 0.0,
+            "gpu_token_hit_rate": hit / prompt if prompt else 0.0,
+            "prefill_tokens": prompt - hit,
+            "ttft_mean_ms": 1e3 * sum(ttft) / len(ttft) if ttft else 0.0,
+            "ttft_p50_ms": 1e3 * _pct(ttft, 0.5),
+            "ttft_p99_ms": 1e3 * _pct(ttft, 0.99),
+            "latency_mean_ms": 1e3 * sum(e2e) / len(e2e) if e2e else 0.0,
+            "makespan_s": self.makespan_s,
+            "throughput_calls_per_s": len(reqs) / self.makespan_s if self.makespan_s else 0.0,
+            "preemptions": self.preemptions,
+            "evictions": self.evictions,
+            "steps": self.steps,
+        }
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    return sorted_values[min(len(sorted_values) - 1, int(math.ceil(q * len(sorted_values))) - 1)]
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, policy: ReplayPolicy) -> None:
+        self.cfg = cfg
+        self.policy = policy
+        self.ref: dict[int, int] = {}         # cached block hash -> reference count
+        self.empty = cfg.gpu_blocks           # blocks holding nothing
+        self.cached_free = 0                  # cached blocks with no reference
+        self.now = 0.0
+        self.evictions = 0
+        self.preemptions = 0
+
+    # -- blocks -------------------------------------------------------------------------------
+    def _take(self, n: int) -> bool:
+        """Reserve n blocks, evicting cached free blocks if needed."""
+        if n > self.empty + self.cached_free:
+            return False
+        short = n - self.empty
+        if short > 0:
+            victims = self.policy.evict(short, self.now)
+            if len(victims) != short:
+                raise RuntimeError(f"policy {self.policy.name} evicted {len(victims)} blocks, asked {short}")
+            ref = self.ref
+            for key in victims:
+                if ref.pop(key, None) != 0:
+                    raise RuntimeError(f"policy {self.policy.name} evicted a block in use or unknown")
+            self.cached_free -= short
+            self.empty += short
+            self.evictions += short
+        self.empty -= n
+        return True
+
+    def _hold(self, keys: Sequence[int]) -> list[int]:
+        """Take references on cached blocks; returns those that were free (now reused)."""
+        ref = self.ref
+        reused = []
+        for k in keys:
+            c = ref[k]
+            if c == 0:
+                self.cached_free -= 1
+                reused.append(k)
+            ref[k] = c + 1
+        return reused
+
+    def _release(self, req: Request) -> None:
+        ref = self.ref
+        freed = []
+        for k in reversed(req.keys):   # tail first, as vLLM frees
+            c = ref[k] - 1
+            ref[k] = c
+            if c == 0:
+                freed.append(k)
+        self.cached_free += len(freed)
+        self.empty += req.partial_blocks
+        req.keys = []
+        req.partial_blocks = 0
+        if freed:
+            self.policy.freed(freed, self.now)
+
+    # -- requests -----------------------------------------------------------------------------
+    def _admit(self, req: Request) -> bool:
+        bs = self.cfg.block_size
+        hashes = req.hashes
+        ref = self.ref
+        hit = 0
+        limit = (req.prompt_len - 1) // bs       # the last prompt token is always computed
+        while hit < limit and hashes[hit] in ref:
+            hit += 1
+        held = hashes[:hit]
+        reusing = sum(1 for k in held if ref[k] == 0)
+        new_keys = [h for h in hashes[hit:] if h not in ref]
+        # Blocks past the hit whose content is cached elsewhere are recomputed into blocks of
+        # their own that stay uncached (vLLM keeps one cached copy per hash).
+        uncached = len(hashes) - hit - len(new_keys) + (1 if req.prompt_len % bs else 0)
+        # As vLLM does, check room first (free hits count, since holding them takes them out of
+        # the free queue), so nothing is touched when the request does not fit.
+        if len(new_keys) + uncached + reusing > self.empty + self.cached_free:
+            return False
+        reused = self._hold(held)
+        if reused:
+            self.policy.reused(reused, self.now)
+        ok = self._take(len(new_keys) + uncached)
+        assert ok, "room was checked above"
+        for k in new_keys:
+            ref[k] = 1
+        req.partial_blocks = uncached
+        req.keys = held + new_keys
+        if not req.preempted:
+            req.hit_tokens = hit * bs
+        req.computed = hit * bs
+        req.last_hash = hashes[-1] if hashes else 0
+        req.running = True
+        self.policy.admitted(req, req.keys, hit, self.now)
+        return True
+
+    def _grow(self, req: Request) -> bool:
+        """A decode step writes the KV of the request's newest token: allocate and cache blocks."""
+        bs = self.cfg.block_size
+        total = req.prompt_len + req.generated   # tokens whose KV exists after this step
+        if total % bs == 1 or bs == 1:           # this token opens a new block
+            if not self._take(1):
+                return False
+            req.partial_blocks += 1
+        if total % bs == 0:                      # a block just filled: it becomes cached
+            h = hash((req.last_hash, tuple(self._span(req, total - bs, total))))
+            req.last_hash = h
+            req.partial_blocks -= 1
+            if h in self.ref:                    # the same content is cached: share it, drop ours
+                reused = self._hold([h])
+                if reused:
+                    self.policy.reused(reused, self.now)
+                self.empty += 1
+            else:
+                self.ref[h] = 1
+            req.keys.append(h)
+            self.policy.cached(req, [h], self.now)
+        return True
+
+    @staticmethod
+    def _span(req: Request, start: int, end: int) -> list[int]:
+        p = req.prompt_len
+        out = req.call.output
+        if start >= p:
+            return list(out[start - p:end - p])
+        return req.tokens[start:p] + list(out[:end - p])
+
+    def _preempt(self, req: Request) -> None:
+        self._release(req)
+        req.computed = 0
+        req.generated = 0
+        req.running = False
+        req.preempted += 1
+        self.preemptions += 1
+
+    def run(self, sessions: Sequence[Session], progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+        cfg = self.cfg
+        pending: list[tuple[float, int, Request]] = []
+        order = 0
+        for s in sessions:
+            heapq.heappush(pending, (s.arrival_s, order, Request(s, 0, s.calls[0], s.arrival_s)))
+            order += 1
+        total_calls = sum(len(s.calls) for s in sessions)
+        waiting: deque[Request] = deque()
+        running: list[Request] = []
+        done: list[Request] = []
+        steps = 0
+        policy = self.policy
+        while pending or waiting or running:
+            if not waiting and not running and pending[0][0] > self.now:
+                self.now = pending[0][0]
+            while pending and pending[0][0] <= self.now:
+                _, _, req = heapq.heappop(pending)
+                req.tokens = req.call.prompt()
+                req.prompt_len = len(req.tokens)
+                req.hashes = chain_hashes(req.tokens, cfg.block_size)
+                waiting.append(req)
+                policy.arrived(req, self.now)
+            # 1) decode for running requests past prefill
+            budget = cfg.max_batched_tokens
+            decode: list[Request] = []
+            prefill: list[tuple[Request, int]] = []
+            for req in running:
+                if req.computed >= req.prompt_len:
+                    decode.append(req)
+                    budget -= 1
+            # (vLLM schedules running requests first, then admits new ones in arrival order)
+            for req in running:
+                if req.computed < req.prompt_len and budget > 0:
+                    chunk = min(budget, req.prompt_len - req.computed)
+                    prefill.append((req, chunk))
+                    budget -= chunk
+            # 2) admit waiting requests while there is room
+            while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
+                req = waiting[0]
+                if not self._admit(req):
+                    break
+                waiting.popleft()
+                running.append(req)
+                chunk = min(budget, req.prompt_len - req.computed)
+                prefill.append((req, chunk))
+                budget -= chunk
+            if not decode and not prefill:
+                if running or waiting:
+                    # Nothing fits: only possible when the cache cannot hold one request.
+                    raise RuntimeError("a request needs more KV blocks than the GPU cache holds; raise gpu_blocks")
+                continue
+            context = sum(r.prompt_len + r.generated for r in decode)
+            prefill_tokens = sum(c for _, c in prefill)
+            self.now += cfg.cost.step_s(prefill_tokens, len(decode), context)
+            steps += 1
+            # 3) apply the step
+            finished: list[Request] = []
+            for req in decode:
+                if not req.running:
+                    continue  # preempted earlier in this step
+                while not self._grow(req):
+                    victim = running.pop()
+                    self._preempt(victim)
+                    waiting.appendleft(victim)
+                    if victim is req:
+                        break
+                if not req.running:
+                    continue
+                req.generated += 1
+                if req.generated >= len(req.call.output):
+                    finished.append(req)
+            for req, chunk in prefill:
+                if not req.running:
+                    continue
+                req.computed += chunk
+                if req.computed >= req.prompt_len:
+                    if req.first_token_at is None:
+                        req.first_token_at = self.now
+                    req.generated = 1            # the prefill step samples the first token
+                    if len(req.call.output) <= 1:
+                        finished.append(req)
+            for req in finished:
+                req.finished_at = self.now
+                req.running = False
+                self._release(req)
+                running.remove(req)
+                policy.finished(req, self.now)
+                done.append(req)
+                req.tokens = []  # free memory
+                nxt = req.index + 1
+                if nxt < len(req.session.calls):
+                    t = self.now + req.call.think_s
+                    heapq.heappush(pending, (t, order, Request(req.session, nxt, req.session.calls[nxt], t)))
+                    order += 1
+                if progress is not None:
+                    progress(len(done), total_calls)
+        return ReplayResult(policy.name, done, self.now, steps, self.preemptions, self.evictions)
