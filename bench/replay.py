@@ -320,7 +320,9 @@ class Engine:
         req.preempted += 1
         self.preemptions += 1
 
-    def run(self, sessions: Sequence[Session], progress: Callable[[int, int], None] | None = None) -> ReplayResult:
+    def run(self, sessions: Sequence[Session], progress: Callable[[int, int], None] | None = None,
+            max_preemptions: int | None = None) -> ReplayResult:
+        """Replay to the end. `max_preemptions`: give up (RuntimeError) when the cache thrashes."""
         cfg = self.cfg
         pending: list[tuple[float, int, Request]] = []
         order = 0
@@ -384,6 +386,8 @@ class Engine:
                 while not self._grow(req):
                     victim = running.pop()
                     self._preempt(victim)
+                    if max_preemptions is not None and self.preemptions > max_preemptions:
+                        raise RuntimeError(f"the GPU cache thrashes ({self.preemptions} preemptions)")
                     waiting.appendleft(victim)
                     if victim is req:
                         break

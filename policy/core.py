@@ -265,16 +265,16 @@ class CacheScoutPolicy:
 
     def plan_prefetch(self, locate: Locate, inflight_bytes: int = 0) -> list[PrefetchAction]:
         """Prefetch actions for the anchors the next calls most likely need (see prefetch.py)."""
-        probs, conf = self.scorer.next_call_probabilities()
+        probs = self.scorer.next_call_probabilities()
         for nxt in self._next_hint.values():
-            probs[nxt] = 1.0
+            probs[nxt] = (1.0, 1.0)   # the framework said so
         inverse = {v: k for k, v in self._aliases.items()}
         candidates = []
-        for agent, p in probs.items():
+        for agent, (p, conf) in probs.items():
             rec = self.fingerprints.agent(inverse.get(agent, agent))
             if rec is not None and rec.anchor_blocks:
-                candidates.append(PrefetchCandidate(agent, p, rec.anchor_path))
-        return self.planner.plan(candidates, conf, locate, inflight_bytes)
+                candidates.append(PrefetchCandidate(agent, p, rec.anchor_path, conf))
+        return self.planner.plan(candidates, locate, inflight_bytes)
 
     def predict_next(self, agent: str) -> list[tuple[str, float]]:
         """The chain's distribution of the agent called after `agent`, most likely first."""

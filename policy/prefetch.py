@@ -1,12 +1,13 @@
 """Prefetch planning: bring the anchors the next calls will most likely need closer to the GPU.
 
 Runs between requests, never on the serving path. Candidates are agents whose probability of being
-called next by at least one live session clears `prefetch_min_probability`, with model confidence
-above `prefetch_min_confidence`. For each, the planner looks at where the anchor's blocks are:
+called next by at least one live session clears `prefetch_min_probability`, predicted by rows whose
+confidence clears `prefetch_min_confidence`. For each, the planner looks at where the anchor's blocks are:
 blocks in the CPU tier are planned CPU -> GPU, blocks only in Redis are planned Redis -> CPU (one tier
 closer; a later step moves them on). Only the leading run of blocks present somewhere is considered,
-since a prefix hit stops at the first block that is nowhere. A load slower than recomputing is
-skipped, and the plan stays within the in-flight byte budget and the per-step action limit.
+since a prefix hit stops at the first block that is nowhere. An anchor whose CPU -> GPU load (the one
+the request would wait for) is slower than recomputing it is skipped, and the plan stays within the
+in-flight byte budget and the per-step action limit.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class PrefetchCandidate:
     agent: str
     probability: float          # P(the agent is called next by some session)
     anchor_keys: Sequence[Hashable]
+    confidence: float = 1.0     # of the rows behind `probability`
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -44,13 +46,14 @@ class PrefetchPlanner:
         self.cfg = cfg
         self.cost = cost
 
-    def plan(self, candidates: Sequence[PrefetchCandidate], confidence: float, locate: Locate,
+    def plan(self, candidates: Sequence[PrefetchCandidate], locate: Locate,
              inflight_bytes: int = 0) -> list[PrefetchAction]:
         cfg = self.cfg
-        if confidence < cfg.prefetch_min_confidence or cfg.prefetch_max_actions == 0:
+        if cfg.prefetch_max_actions == 0:
             return []
         budget = cfg.prefetch_max_inflight_bytes - inflight_bytes
-        ranked = sorted((c for c in candidates if c.probability >= cfg.prefetch_min_probability),
+        ranked = sorted((c for c in candidates if c.probability >= cfg.prefetch_min_probability
+                         and c.confidence >= cfg.prefetch_min_confidence),
                         key=lambda c: (-c.probability * len(c.anchor_keys), c.agent))
         actions: list[PrefetchAction] = []
         block_bytes = self.cost.block_bytes
@@ -69,7 +72,9 @@ class PrefetchPlanner:
                 if not keys or len(actions) >= cfg.prefetch_max_actions:
                     continue
                 size = len(keys) * block_bytes
-                if size > budget or not self.cost.worth_loading(src, len(keys)):
+                # What must beat recomputing is the load the request will wait for: CPU -> GPU
+                # (a Redis -> CPU prefetch runs in the background, ahead of the request).
+                if size > budget or not self.cost.worth_loading("cpu", len(keys)):
                     continue
                 budget -= size
                 actions.append(PrefetchAction(cand.agent, src, dst, tuple(keys), cand.probability, size,

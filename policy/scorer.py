@@ -76,10 +76,12 @@ class SurvivalScorer:
             den += n_new
         return lam, (num / den if den > 0 else 0.0)
 
-    def next_call_probabilities(self) -> tuple[dict[str, float], float]:
-        """P(at least one live or arriving session calls X next), and the confidence behind it."""
+    def next_call_probabilities(self) -> dict[str, tuple[float, float]]:
+        """For each agent X: (P(at least one live or arriving session calls X next), confidence),
+        the confidence being that of the rows that predict X, weighted by what they contribute."""
         miss: dict[str, float] = {}
-        num = den = 0.0
+        conf_num: dict[str, float] = {}
+        conf_den: dict[str, float] = {}
         counts = self.sessions.agent_counts
         n_live = sum(counts.values())
         sources: list[tuple[str, float]] = list(counts.items())
@@ -90,9 +92,9 @@ class SurvivalScorer:
             _, conf = self.row(agent)
             for x, p in self.learner.probabilities(agent).items():
                 miss[x] = miss.get(x, 1.0) * (1.0 - p) ** n
-            num += n * conf
-            den += n
-        return {x: 1.0 - m for x, m in miss.items()}, (num / den if den > 0 else 0.0)
+                conf_num[x] = conf_num.get(x, 0.0) + n * p * conf
+                conf_den[x] = conf_den.get(x, 0.0) + n * p
+        return {x: (1.0 - m, conf_num[x] / conf_den[x] if conf_den[x] > 0 else 0.0) for x, m in miss.items()}
 
     # -- scoring ------------------------------------------------------------------------------
     def score(self, index: EvictionIndex, overrides: Mapping[object, str] | None = None) -> None:

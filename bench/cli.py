@@ -1,0 +1,86 @@
+"""`cachescout` command line. Errors become one-line messages and non-zero exit codes here, once."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+EXIT_USAGE = 2
+EXIT_ERROR = 1
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cachescout", description="Agent-aware KV-cache manager for vLLM.")
+    sub = p.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench", help="replay multi-agent workloads and compare eviction policies",
+                       description="Replay the built-in multi-agent workloads on a vLLM-semantics prefix cache "
+                                   "and compare policies on the same trace, cache size and run.")
+    b.add_argument("--workloads", default="gsm8k,mtbench,gaia,swebench",
+                   help="comma-separated task families (default: all four)")
+    b.add_argument("--policies", default="lru,cachescout,cachescout-hints", help="comma-separated policies")
+    b.add_argument("--sessions", type=int, default=300, help="sessions per workload (default 300)")
+    b.add_argument("--rate", type=float, default=2.0, help="session arrivals per second (default 2)")
+    b.add_argument("--routing", default="learned", help="learned, uniform or random (default learned)")
+    b.add_argument("--arrivals", default="poisson", help="poisson or bursty (default poisson)")
+    b.add_argument("--seed", type=int, default=1)
+    b.add_argument("--gpu-blocks", type=int, default=None,
+                   help="GPU cache size in blocks (default: sized per workload so LRU hits about 68%%)")
+    b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--json", default="results.json", help="where to write results (default results.json)")
+    b.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .policies import REGISTRY
+    from .run import BenchOptions, run
+    from .workloads import FAMILIES, ROUTINGS
+
+    families = [f for f in args.workloads.split(",") if f]
+    policies = [p for p in args.policies.split(",") if p]
+    for f in families:
+        if f not in FAMILIES:
+            raise ValueError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")
+    for name in policies:
+        if name not in REGISTRY:
+            raise ValueError(f"--policies: unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}")
+    if args.routing not in ROUTINGS:
+        raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, got {args.routing!r}")
+    if args.sessions < 1 or args.rate <= 0 or args.block_size < 1 or (args.gpu_blocks is not None and args.gpu_blocks < 1):
+        raise ValueError("--sessions, --rate, --block-size and --gpu-blocks must be positive")
+    opts = BenchOptions(families=families, policies=policies, sessions=args.sessions, rate=args.rate,
+                        routing=args.routing, arrivals=args.arrivals, seed=args.seed,
+                        gpu_blocks=args.gpu_blocks, block_size=args.block_size)
+    progress = None if args.quiet else _progress_line
+    report = run(opts, progress)
+    if not args.quiet:
+        sys.stderr.write("\r\033[K")
+    with open(args.json, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1)
+    print(f"wrote {args.json}")
+    return 0
+
+
+def _progress_line(text: str) -> None:
+    sys.stderr.write("\r\033[K" + text)
+    sys.stderr.flush()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "bench":
+            return _bench(args)
+    except KeyboardInterrupt:
+        print("cachescout: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, RuntimeError, OSError) as exc:
+        print(f"cachescout {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_ERROR
+    return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+import dataclasses
+import random
+from collections import OrderedDict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from helpers import anchor, chain
+
+from cachescout.bench.policies import make_policy
+from cachescout.bench.replay import Engine, EngineConfig
+from cachescout.bench.run import calibrate_gpu_blocks
+from cachescout.bench.workloads import WorkloadSpec, generate
+from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig, TransitionSnapshot
+from cachescout.policy.state import COUNT_SCALE
+
+AGENTS = ["sup", "coder", "search", "critic"]
+
+
+def _drive(policy: CacheScoutPolicy, ops, hinted: bool):
+    """Run random requests through the policy like a block pool would, checking every eviction
+    against vLLM's LRU free queue (kept here as an OrderedDict)."""
+    ref: dict[int, int] = {}
+    free: OrderedDict = OrderedDict()
+    live = {}
+    now = 0.0
+    rid = 0
+    for op, a, b in ops:
+        now += 0.1
+        if op == "call":
+            agent = AGENTS[a % len(AGENTS)]
+            prompt = chain(anchor(agent, 4) + [("t", rid, k) for k in range(1 + b % 5)])
+            hints = Hints(agent=agent, session=f"s{b % 3}") if hinted else None
+            policy.observe(rid, prompt, hints=hints, now=now)
+            hit = 0
+            while hit < len(prompt) and prompt[hit] in ref:
+                hit += 1
+            for k in prompt[:hit]:
+                if ref[k] == 0:
+                    del free[k]
+                ref[k] += 1
+            for k in prompt[hit:]:
+                ref[k] = ref.get(k, 0) + 1
+            policy.admit_blocks(rid, prompt, hit)
+            live[rid] = prompt
+            rid += 1
+        elif op == "finish" and live:
+            r = sorted(live)[a % len(live)]
+            prompt = live.pop(r)
+            freed = []
+            for k in reversed(prompt):
+                ref[k] -= 1
+                if ref[k] == 0:
+                    freed.append(k)
+                    free[k] = None
+            policy.finish(r, now)
+            policy.blocks_freed(freed, now)
+        elif op == "evict":
+            n = 1 + a % 4
+            expected = list(free)[:n]
+            before = policy.victims(n, now)
+            assert before == expected
+            assert policy.evict(n, now) == expected
+            for k in expected:
+                del free[k]
+                del ref[k]
+
+
+ops = st.lists(st.tuples(st.sampled_from(["call", "call", "finish", "evict"]), st.integers(0, 50),
+                         st.integers(0, 50)), max_size=80)
+
+
+@given(ops)
+def test_empty_model_evicts_exactly_like_lru(seq):
+    _drive(CacheScoutPolicy(PolicyConfig(min_confidence=0.05)), seq, hinted=False)
+
+
+@given(ops)
+def test_uniform_model_evicts_exactly_like_lru(seq):
+    policy = CacheScoutPolicy(PolicyConfig())
+    # A strong prior that any agent follows any agent (and any session may end) uniformly.
+    uniform = {src: {dst: 10**6 * COUNT_SCALE for dst in AGENTS + ["<end>"]} for src in AGENTS + ["<start>"]}
+    policy.absorb(TransitionSnapshot(policy.learner.half_life, uniform))
+    _drive(policy, seq, hinted=True)
+    assert policy.confidence() == 0.0
+
+
+def _policy_state(core: CacheScoutPolicy):
+    groups = sorted((repr(g.gid), tuple(b.key for b in g.free_blocks()), g.n_blocks) for g in core.index.groups())
+    sessions = [(s.sid, s.agent, s.calls, s.in_flight) for s in core.sessions]
+    return core.learner.decayed_rows(), sessions, groups, core.index.n_free
+
+
+def test_choosing_victims_never_changes_state():
+    sessions = generate(WorkloadSpec(family="gaia", sessions=40, seed=3))
+    policy = make_policy("cachescout", PolicyConfig())
+    checked = []
+
+    class Probe(type(policy)):
+        def evict(self, n, now):
+            before = _policy_state(self.core)
+            first = self.core.victims(n, now)
+            assert self.core.victims(n, now) == first
+            assert _policy_state(self.core) == before
+            checked.append(n)
+            out = super().evict(n, now)
+            assert out == first
+            return out
+
+    probe = Probe(PolicyConfig())
+    Engine(EngineConfig(gpu_blocks=1500), probe).run(sessions)
+    assert len(checked) > 20
+
+
+@settings(max_examples=1, deadline=None)
+@given(st.just(None))
+def test_learned_routing_beats_lru_and_random_routing_does_not_lose(_):
+    figures = {}
+    for routing in ("learned", "random"):
+        sessions = generate(WorkloadSpec(family="gaia", sessions=150, routing=routing, seed=7))
+        blocks = calibrate_gpu_blocks(sessions, 16)
+        for name in ("lru", "cachescout"):
+            result = Engine(EngineConfig(gpu_blocks=blocks), make_policy(name, PolicyConfig())).run(sessions)
+            figures[(routing, name)] = result.summary()["token_hit_rate"]
+    assert figures[("learned", "cachescout")] >= figures[("learned", "lru")] + 0.05, figures
+    assert figures[("random", "cachescout")] >= figures[("random", "lru")] - 0.01, figures
+
+
+def test_hints_from_params_keep_good_values_and_report_bad_ones():
+    hints, bad = Hints.from_params({"cachescout.agent": "coder", "cachescout.session_id": 42,
+                                    "cachescout.next_agent": ["x"], "other": 1})
+    assert hints == Hints(agent="coder", session="42", next_agent=None)
+    assert bad == ["cachescout.next_agent"]
+    assert Hints.from_params(None) == (None, [])
+    assert Hints.from_params({"cachescout.agent": "x" * 300}) == (None, ["cachescout.agent"])
+
+
+def test_hinted_agent_names_replace_inferred_ids():
+    policy = CacheScoutPolicy(PolicyConfig())
+    a = anchor("coder", 6)
+    for s in range(6):
+        obs = policy.observe(s, chain(a + [("t", s)]), hints=Hints(agent="coder"), now=float(s))
+    later = policy.observe(99, chain(a + [("t", 99)]), now=10.0)   # no hint: the alias applies
+    assert obs.agent == "coder" and later.agent == "coder"
+
+
+def test_submit_and_drain_bound_the_queue():
+    policy = CacheScoutPolicy(PolicyConfig(), max_pending=2)
+    assert policy.submit(1, chain([1, 2]), now=0.0) and policy.submit(2, chain([1, 3]), now=0.0)
+    assert not policy.submit(3, chain([1, 4]), now=0.0)
+    assert policy.stats["dropped_events"] == 1
+    assert [o.request_id for o in policy.drain()] == [1, 2]
+
+
+def test_snapshot_round_trip_between_replicas():
+    a, b = CacheScoutPolicy(), CacheScoutPolicy()
+    for s in range(20):
+        a.observe(("a", s), chain(anchor("sup", 3) + [s]), hints=Hints(agent="sup", session=s), now=s)
+        a.observe(("b", s), chain(anchor("coder", 3) + [s]), hints=Hints(agent="coder", session=s), now=s + 0.5)
+    blob = a.snapshot().encode()
+    b.absorb(TransitionSnapshot.decode(blob))
+    assert b.predict_next("sup")[0][0] == "coder"
+    with pytest.raises(ValueError, match="half_life"):
+        b.absorb(dataclasses.replace(a.snapshot(), half_life=1.0))
