@@ -12,17 +12,19 @@ from .replay import LRUPolicy, ReplayPolicy, Request
 class CacheScoutReplay(ReplayPolicy):
     """CacheScout's policy core steering the GPU prefix cache's eviction order."""
 
-    def __init__(self, config: PolicyConfig | None = None, *, hints: bool = False, name: str = "cachescout") -> None:
+    def __init__(self, config: PolicyConfig | None = None, *, hints: bool = False, tokens: bool = True,
+                 name: str = "cachescout") -> None:
         self.name = name
         self.now = 0.0
         self.core = CacheScoutPolicy(config, clock=lambda: self.now)
         self.hints = hints
+        self.tokens = tokens  # False: block hashes only, as a trace without token ids gives
         self.observations: list = []   # (request, Observation), for accuracy figures
 
     def arrived(self, req: Request, now: float) -> None:
         self.now = now
         hints = Hints(agent=req.agent, session=req.session.session_id) if self.hints else None
-        obs = self.core.observe(req, req.hashes, tokens=req.tokens, hints=hints, now=now)
+        obs = self.core.observe(req, req.hashes, tokens=req.tokens if self.tokens else None, hints=hints, now=now)
         self.observations.append((req, obs))
 
     def reused(self, keys: Sequence[Hashable], now: float) -> None:
@@ -42,13 +44,14 @@ class CacheScoutReplay(ReplayPolicy):
         return self.core.evict(n, now)
 
     def finished(self, req: Request, now: float) -> None:
-        self.core.finish(req, now, output_tokens=req.call.output)
+        self.core.finish(req, now, output_tokens=req.call.output if self.tokens else None)
 
 
 REGISTRY: dict[str, Callable[[PolicyConfig], ReplayPolicy]] = {
     "lru": lambda cfg: LRUPolicy(),
     "cachescout": lambda cfg: CacheScoutReplay(cfg),
     "cachescout-hints": lambda cfg: CacheScoutReplay(cfg, hints=True, name="cachescout-hints"),
+    "cachescout-hashonly": lambda cfg: CacheScoutReplay(cfg, tokens=False, name="cachescout-hashonly"),
 }
 
 

@@ -29,7 +29,7 @@ class PolicyConfig:
     fingerprint_min_support: float = _setting(
         3.0, "requests that must share a prefix before it can be an agent's anchor", lo=2, hi=1e6)
     fingerprint_min_share: float = _setting(
-        0.002, "share of recent requests a prefix must carry to be an anchor (0 disables)", lo=0, hi=0.5)
+        0.0002, "share of recent requests a prefix must carry to be an anchor (0 disables)", lo=0, hi=0.5)
     fingerprint_half_life: float = _setting(
         4000.0, "requests after which a prefix's support counts half", lo=0, lo_open=True)
     max_fingerprint_leaves: int = _setting(

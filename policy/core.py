@@ -19,6 +19,7 @@ from .config import PolicyConfig
 from .costs import RebuildCost
 from .eviction import EvictionIndex, Group
 from .fingerprint import AgentFingerprinter, Fingerprint
+from .guard import LruGuard
 from .prefetch import Locate, PrefetchAction, PrefetchCandidate, PrefetchPlanner
 from .scorer import SurvivalScorer
 from .sessions import SessionTracker
@@ -90,6 +91,8 @@ class CacheScoutPolicy:
         self.index = EvictionIndex()
         self.scorer = SurvivalScorer(cfg, self.learner, self.sessions, self.cost)
         self.planner = PrefetchPlanner(cfg, self.cost)
+        self.guard = LruGuard()
+        self._evicting = False
         self._live: dict[Hashable, _Live] = {}
         self._aliases: dict[str, str] = {}        # inferred agent id -> hinted name for it
         self._next_hint: dict[Hashable, str] = {}  # session -> agent it will call next (hinted)
@@ -190,6 +193,8 @@ class CacheScoutPolicy:
         """The request holds `block_keys` (prompt order); the first `num_cached` were prefix hits."""
         live = self._live.get(request_id)
         index = self.index
+        self._track_capacity()
+        self.guard.accessed(block_keys, index)
         if live is None:
             for key in block_keys[num_cached:]:
                 index.add(key)
@@ -222,6 +227,8 @@ class CacheScoutPolicy:
         group = self._groups_for(live.obs)[2] if live is not None else None
         for key in block_keys:
             self.index.add(key, group)
+        self.guard.filled(block_keys)
+        self._track_capacity()
 
     def _groups_for(self, obs: Observation) -> tuple[Group | None, Group | None, Group]:
         fp = obs.fingerprint
@@ -237,9 +244,16 @@ class CacheScoutPolicy:
     def blocks_freed(self, keys: Sequence[Hashable], now: float | None = None) -> None:
         """Blocks whose reference count dropped to zero (still cached, now evictable)."""
         self.index.release(keys, self.clock() if now is None else now)
+        self.guard.released(keys)
 
     def blocks_reused(self, keys: Sequence[Hashable]) -> None:
+        """Free cached blocks a request hit: no longer evictable."""
         self.index.acquire(keys)
+
+    def _track_capacity(self) -> None:
+        # Before the first eviction: the most blocks cached so far.
+        if not self._evicting and len(self.index) > self.guard.capacity:
+            self.guard.capacity = len(self.index)
 
     def blocks_evicted(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
@@ -252,13 +266,19 @@ class CacheScoutPolicy:
     # -- decisions ----------------------------------------------------------------------------
     def victims(self, n: int, now: float | None = None) -> list[Hashable]:
         """The next `n` free blocks to evict, coldest first. Reads state only."""
-        self.scorer.score(self.index, self._next_hint)
+        self.scorer.score(self.index, self._next_hint, self.guard.trust)
         return self.index.victims(n, self.clock() if now is None else now)
 
     def evict(self, n: int, now: float | None = None) -> list[Hashable]:
         """Remove and return the next `n` victims."""
-        self.scorer.score(self.index, self._next_hint)
-        return self.index.evict(n, self.clock() if now is None else now)
+        now = self.clock() if now is None else now
+        self.scorer.score(self.index, self._next_hint, self.guard.trust)
+        # The cache is full: the blocks cached now are what LRU has to work with (running requests'
+        # partial blocks take the rest), so the shadow LRU is sized by this.
+        self._evicting = True
+        g = self.guard
+        g.capacity = len(self.index) if g.capacity == 0 else int(0.99 * g.capacity + 0.01 * len(self.index))
+        return self.index.evict(n, now)
 
     def confidence(self) -> float:
         return self.scorer.demand()[1]

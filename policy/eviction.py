@@ -26,7 +26,7 @@ _push = itertools.count()
 class Block:
     """One cached block known to the index. Linked into its group's free list while free."""
 
-    __slots__ = ("key", "group", "seq", "freed_at", "free", "backed", "prev", "next")
+    __slots__ = ("key", "group", "seq", "freed_at", "free", "backed", "prev", "next", "gprev", "gnext")
 
     def __init__(self, key: Hashable, group: Group) -> None:
         self.key = key
@@ -35,8 +35,10 @@ class Block:
         self.freed_at = 0.0
         self.free = False
         self.backed = False   # a copy lives in a lower tier (cheaper to bring back than recompute)
-        self.prev: Block | None = None
+        self.prev: Block | None = None   # within the group's free list
         self.next: Block | None = None
+        self.gprev: Block | None = None  # within the global free order (what LRU would evict)
+        self.gnext: Block | None = None
 
 
 class Group:
@@ -86,6 +88,8 @@ class EvictionIndex:
         self._heap_now: float | None = None
         self._heap_epoch = -1
         self.epoch = 0  # bumped by `scores_changed()`
+        self._lru_head: Block | None = None  # global free order, oldest first (vLLM's free queue)
+        self._lru_tail: Block | None = None
 
     # -- groups -------------------------------------------------------------------------------
     def group(self, gid: Hashable, kind: str, *, agent: str | None = None, session: Hashable | None = None,
@@ -156,12 +160,19 @@ class EvictionIndex:
             b.seq = self._seq
             b.freed_at = now
             self._append(b)
+            b.gprev = self._lru_tail
+            if self._lru_tail is None:
+                self._lru_head = b
+            else:
+                self._lru_tail.gnext = b
+            self._lru_tail = b
 
     def acquire(self, keys: Iterable[Hashable]) -> None:
         """Blocks reused by a request (a cache hit): no longer candidates for eviction."""
         for key in keys:
             b = self._blocks.get(key)
             if b is not None and b.free:
+                self._global_unlink(b)
                 self._unlink(b)
 
     def set_backed(self, key: Hashable, backed: bool) -> None:
@@ -178,8 +189,18 @@ class EvictionIndex:
         if b is None:
             return
         if b.free:
+            self._global_unlink(b)
             self._unlink(b)
         b.group.n_blocks -= 1
+
+    def lru_victims(self, n: int) -> list[Hashable]:
+        """What plain LRU would evict next (the oldest free blocks). Changes nothing."""
+        out = []
+        b = self._lru_head
+        while b is not None and len(out) < n:
+            out.append(b.key)
+            b = b.gnext
+        return out
 
     # -- choosing and evicting ----------------------------------------------------------------
     def victims(self, n: int, now: float) -> list[Hashable]:
@@ -202,6 +223,14 @@ class EvictionIndex:
 
     def evict(self, n: int, now: float) -> list[Hashable]:
         """Remove and return the next `n` victims (the same ones `victims` names)."""
+        return [b.key for b in self.evict_blocks(n, now)]
+
+    def lru_head_freed_at(self) -> float | None:
+        """When the block LRU would evict next was freed (None when nothing is free)."""
+        return None if self._lru_head is None else self._lru_head.freed_at
+
+    def evict_blocks(self, n: int, now: float) -> list[Block]:
+        """`evict`, returning the evicted blocks themselves (their `freed_at` is still set)."""
         if self._heap_now != now or self._heap_epoch != self.epoch:
             self._heap_now = now
             self._heap_epoch = self.epoch
@@ -209,13 +238,13 @@ class EvictionIndex:
                                  for g in self._groups.values() if g.head is not None]
             heapq.heapify(heap)
         heap = self._heap
-        out: list[Hashable] = []
+        out: list[Block] = []
         while heap and len(out) < n:
             entry = heapq.heappop(heap)
             b, g, stamp = entry[3], entry[4], entry[5]
             if g.stamp != stamp:
                 continue  # the group's head changed since this entry was pushed
-            out.append(b.key)
+            out.append(b)
             self.discard(b.key)
         return out
 
@@ -284,6 +313,17 @@ class EvictionIndex:
         if b.backed:
             g.n_backed_free += 1
         self.n_free += 1
+
+    def _global_unlink(self, b: Block) -> None:
+        if b.gprev is None:
+            self._lru_head = b.gnext
+        else:
+            b.gprev.gnext = b.gnext
+        if b.gnext is None:
+            self._lru_tail = b.gprev
+        else:
+            b.gnext.gprev = b.gprev
+        b.gprev = b.gnext = None
 
     def _unlink(self, b: Block) -> None:
         g = b.group

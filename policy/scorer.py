@@ -97,13 +97,16 @@ class SurvivalScorer:
         return {x: (1.0 - m, conf_num[x] / conf_den[x] if conf_den[x] > 0 else 0.0) for x, m in miss.items()}
 
     # -- scoring ------------------------------------------------------------------------------
-    def score(self, index: EvictionIndex, overrides: Mapping[object, str] | None = None) -> None:
+    def score(self, index: EvictionIndex, overrides: Mapping[object, str] | None = None,
+              trust: float = 1.0) -> None:
         """Write `model` and `conf` of every group; cheap to call again while nothing changed.
 
-        `overrides` maps a session id to the agent it is known (hinted) to call next.
+        `overrides` maps a session id to the agent it is known (hinted) to call next; `trust`
+        (from the LRU guard) scales every confidence.
         """
+        trust = round(trust, 2)
         stamp = (self.learner.version // self.cfg.model_refresh_interval, self.sessions.version,
-                 len(index.groups()))
+                 len(index.groups()), trust)
         if stamp == self._scored_at:
             return
         self._scored_at = stamp
@@ -139,7 +142,7 @@ class SurvivalScorer:
             elif kind == "preamble":
                 preambles.append(g)
                 g.model = math.inf
-                g.conf = conf_all
+                g.conf = conf_all * trust
                 continue
             else:
                 g.model, g.conf = 0.0, 0.0
@@ -147,7 +150,7 @@ class SurvivalScorer:
             if g.n_free and g.n_backed_free:
                 lam_g *= 1.0 - (g.n_backed_free / g.n_free) * (1.0 - backed_value)
             g.model = log_h - math.log(max(lam_g, _LAMBDA_FLOOR))
-            g.conf = conf
+            g.conf = conf * trust
         # A prefix is needed whenever anything below it is: parents never look colder than children.
         for g in index.groups():
             if g.kind == "context" and g.parent is not None and g.model < g.parent.model:

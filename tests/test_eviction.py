@@ -72,6 +72,7 @@ class LruEquivalence(RuleBasedStateMachine):
         assert _state(self.index) == before, "choosing victims changed state"
         expected = list(self.ref_free)[:n]
         assert chosen == expected
+        assert self.index.lru_victims(n) == expected
         assert self.index.evict(n, self.now) == expected
         for k in expected:
             del self.ref_free[k]

@@ -1,0 +1,188 @@
+"""Speed and memory of the policy core's hot operations (figures for docs/policy.md).
+
+    python -m cachescout.bench.microbench [--json PATH]
+
+Each figure is the median over many repetitions, in microseconds of wall time on this machine:
+- learner update: one observed transition (TransitionLearner.update);
+- request observe: everything done per request (fingerprint walk, session, learner update) on a
+  realistic workload (real anchors, 2-6k-token prompts);
+- victim: choosing and evicting one block from 100,000 free cached blocks in 50 agents' anchors and
+  2,000 session contexts, in batches as a block pool asks for them; plus the per-step rescoring;
+- prefetch plan: one plan for 50 agents and 200 live sessions;
+- memory per tracked agent: bytes held by the policy per agent (tracemalloc), with 50 and 1,000 agents.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+import tracemalloc
+
+from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig, TransitionLearner
+
+from .replay import chain_hashes
+from .workloads import WorkloadSpec, generate
+
+
+def _median_us(samples_ns: list[float]) -> float:
+    return statistics.median(samples_ns) / 1e3
+
+
+def bench_learner_update(n: int = 200_000) -> float:
+    rng = random.Random(1)
+    learner = TransitionLearner(200.0)
+    agents = [f"agent{i}" for i in range(50)]
+    pairs = [(rng.choice(agents), rng.choice(agents)) for _ in range(n)]
+    samples = []
+    batch = 1000
+    for i in range(0, n, batch):
+        chunk = pairs[i:i + batch]
+        t0 = time.perf_counter_ns()
+        for a, b in chunk:
+            learner.update(a, b)
+        samples.append((time.perf_counter_ns() - t0) / batch)
+    return _median_us(samples)
+
+
+def bench_observe() -> dict:
+    sessions = generate(WorkloadSpec(family="mixed", sessions=200, seed=2))
+    calls = []
+    for s in sessions:
+        for c in s.calls:
+            tokens = c.prompt()
+            calls.append((s.session_id, c, tokens, chain_hashes(tokens, 16)))
+    policy = CacheScoutPolicy(PolicyConfig(), clock=lambda: 0.0)
+    samples = []
+    for i, (sid, call, tokens, hashes) in enumerate(calls):
+        t0 = time.perf_counter_ns()
+        policy.observe(i, hashes, tokens=tokens, now=i * 0.05)
+        samples.append(time.perf_counter_ns() - t0)
+        policy.finish(i, now=i * 0.05 + 0.01, output_tokens=call.output)
+    hinted = CacheScoutPolicy(PolicyConfig(), clock=lambda: 0.0)
+    hsamples = []
+    for i, (sid, call, tokens, hashes) in enumerate(calls):
+        t0 = time.perf_counter_ns()
+        hinted.observe(i, hashes, hints=Hints(agent=call.agent, session=sid), now=i * 0.05)
+        hsamples.append(time.perf_counter_ns() - t0)
+        hinted.finish(i, now=i * 0.05 + 0.01)
+    warm = len(samples) // 5
+    return {"observe_median_us": _median_us(samples[warm:]),
+            "observe_p99_us": sorted(samples[warm:])[int(0.99 * (len(samples) - warm))] / 1e3,
+            "observe_hinted_median_us": _median_us(hsamples[warm:]),
+            "prompt_blocks_mean": statistics.mean(len(h) for *_, h in calls)}
+
+
+def _filled_policy(agents: int = 50, blocks: int = 100_000, sessions: int = 2000) -> CacheScoutPolicy:
+    """A policy tracking `blocks` free cached blocks: 50 anchors of 40 blocks and session contexts."""
+    rng = random.Random(3)
+    policy = CacheScoutPolicy(PolicyConfig(), clock=lambda: 0.0)
+    names = [f"agent{i}" for i in range(agents)]
+    for _ in range(20 * agents):  # a learned chain with a few likely successors per agent
+        a = rng.choice(names)
+        policy.learner.update(a, names[(names.index(a) + rng.choice((1, 1, 2, 3))) % agents])
+    anchors = {a: [rng.getrandbits(62) for _ in range(40)] for a in names}
+    ctx_blocks = (blocks - agents * 40) // sessions
+    rid = 0
+    now = 0.0
+    for s in range(sessions):
+        agent = rng.choice(names)
+        keys = anchors[agent] + [rng.getrandbits(62) for _ in range(ctx_blocks)]
+        policy.observe(rid, keys, hints=Hints(agent=agent, session=f"s{s}"), now=now)
+        cached = 40 if s >= agents else 0
+        policy.admit_blocks(rid, keys, cached)
+        policy.finish(rid, now)
+        policy.blocks_freed(list(reversed(keys[cached:] if cached else keys)), now)
+        rid += 1
+        now += 0.01
+    # Anchors' blocks were freed by the first request of each agent; later hits re-free nothing new.
+    return policy
+
+
+def bench_victims() -> dict:
+    policy = _filled_policy()
+    free = policy.index.n_free
+    out = {"free_blocks": free, "groups": sum(1 for _ in policy.index.groups())}
+    t0 = time.perf_counter_ns()
+    policy.scorer.invalidate()
+    policy.scorer.score(policy.index)
+    out["rescore_ms"] = (time.perf_counter_ns() - t0) / 1e6
+    for batch in (1, 16, 64):
+        p = _filled_policy()
+        p.scorer.score(p.index)
+        now = 1e3
+        p.evict(1, now)  # build the per-step heap once, as the first eviction of a step does
+        samples = []
+        for _ in range(min(3000, free // batch - 2)):
+            t0 = time.perf_counter_ns()
+            got = p.evict(batch, now)
+            samples.append((time.perf_counter_ns() - t0) / max(1, len(got)))
+        out[f"victim_batch{batch}_median_us"] = _median_us(samples)
+    p = _filled_policy()
+    p.scorer.score(p.index)
+    t0 = time.perf_counter_ns()
+    p.evict(1, 2e3)
+    out["first_victim_of_a_step_ms"] = (time.perf_counter_ns() - t0) / 1e6
+    return out
+
+
+def bench_prefetch() -> float:
+    policy = _filled_policy(sessions=200, blocks=200 * 40 + 50 * 40)
+    where = {}
+    for rec in policy.fingerprints.agents():
+        for k in rec.anchor_path:
+            where[k] = "cpu"
+    samples = []
+    for _ in range(300):
+        t0 = time.perf_counter_ns()
+        policy.plan_prefetch(where.get)
+        samples.append(time.perf_counter_ns() - t0)
+    return _median_us(samples)
+
+
+def bench_memory(agents: int) -> float:
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    policy = CacheScoutPolicy(PolicyConfig(max_agents=max(1024, agents)), clock=lambda: 0.0)
+    rng = random.Random(4)
+    names = [f"agent{i}" for i in range(agents)]
+    anchors = {a: [rng.getrandbits(62) for _ in range(60)] for a in names}   # ~1k-token anchors
+    rid = 0
+    for rnd in range(6):
+        for s in range(agents):
+            a = names[s]
+            keys = anchors[a] + [rng.getrandbits(62) for _ in range(4)]
+            policy.observe(rid, keys, hints=Hints(session=f"w{rnd}-{s // 4}"), now=float(rid))
+            policy.admit_blocks(rid, keys, 0 if rnd == 0 else 60)
+            policy.finish(rid, float(rid))
+            rid += 1
+    used = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    assert len(policy.fingerprints.agents()) >= agents * 0.9, "agents were not recognised"
+    return used / agents
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="also write the figures here")
+    args = ap.parse_args(argv)
+    figures = {"machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}"}
+    figures["learner_update_median_us"] = bench_learner_update()
+    figures.update(bench_observe())
+    figures.update(bench_victims())
+    figures["prefetch_plan_median_us"] = bench_prefetch()
+    figures["memory_per_agent_bytes_50"] = bench_memory(50)
+    figures["memory_per_agent_bytes_1000"] = bench_memory(1000)
+    for k, v in figures.items():
+        print(f"{k:36s} {v:,.2f}" if isinstance(v, float) else f"{k:36s} {v}")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(figures, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

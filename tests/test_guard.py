@@ -1,0 +1,79 @@
+import itertools
+
+import pytest
+
+import cachescout.policy.guard as guard_mod
+from cachescout.bench.policies import CacheScoutReplay, make_policy
+from cachescout.bench.replay import Engine, EngineConfig
+from cachescout.bench.run import calibrate_gpu_blocks
+from cachescout.bench.workloads import WorkloadSpec, generate
+from cachescout.policy import PolicyConfig
+from cachescout.policy.guard import LruGuard
+
+
+def test_unsampled_shadow_reproduces_the_real_lru(monkeypatch):
+    """With every block sampled and the policy held to LRU order, the shadow must score exactly
+    what the real cache scores: any gap would bias the trust."""
+    monkeypatch.setattr(guard_mod, "SAMPLE", 1)
+    sessions = generate(WorkloadSpec(family="gaia", sessions=80, seed=4))
+    policy = CacheScoutReplay(PolicyConfig(min_confidence=1.0))   # confidence never reaches 1: LRU
+    Engine(EngineConfig(gpu_blocks=2500), policy).run(sessions)
+    g = policy.core.guard
+    seen = g.total_seen + g._seen
+    assert seen > 5000
+    assert abs(g.total_ours + g._ours - g.total_lru - g._lru) / seen < 0.005
+
+
+_keys = itertools.count()
+
+
+def _feed(guard: LruGuard, windows: int, ours_hits: bool, lru_hits: bool):
+    """Windows of sampled accesses (fresh keys) where our cache and the shadow hit or miss as told."""
+    for _ in range(windows * guard_mod._WINDOW):
+        key = next(_keys)
+        while hash(key) % guard_mod.SAMPLE:
+            key = next(_keys)
+        if lru_hits:
+            guard._free[key] = None    # the shadow holds it
+        guard.accessed([key], {key} if ours_hits else set())
+        guard.released([key])
+
+
+def test_guard_cuts_trust_when_the_model_loses_and_retries_with_backoff():
+    g = LruGuard()
+    g.capacity = 1 << 30
+    _feed(g, 1, ours_hits=False, lru_hits=True)     # clearly worse than LRU
+    assert g.trust == 0.0
+    _feed(g, 1, ours_hits=True, lru_hits=True)      # one window on LRU, then retry
+    assert g.trust == 1.0
+    _feed(g, 1, ours_hits=False, lru_hits=True)     # fails again: wait twice as long
+    assert g.trust == 0.0
+    _feed(g, 1, ours_hits=True, lru_hits=True)
+    assert g.trust == 0.0
+    _feed(g, 1, ours_hits=True, lru_hits=True)
+    assert g.trust == 1.0
+    _feed(g, 3, ours_hits=True, lru_hits=False)     # clearly better: stays trusted
+    assert g.trust == 1.0 and g.estimated_gain() > 0
+
+
+def test_shadow_never_evicts_held_blocks():
+    g = LruGuard()
+    g.capacity = 3 * guard_mod.SAMPLE
+    keys = [k for k in range(200) if hash(k) % guard_mod.SAMPLE == 0][:5]
+    g.accessed(keys[:4], set())      # four held: over capacity, but nothing is free to evict
+    assert g._held == set(keys[:4]) and not g._free
+    g.released(keys[:3])             # free in release order; evicted only when room is needed
+    assert list(g._free) == keys[:3]
+    g.accessed(keys[4:], set())      # room for one more held block: the two oldest free go
+    assert list(g._free) == [keys[2]] and g._held == {keys[3], keys[4]}
+
+
+def test_guard_keeps_a_good_model_trusted_and_measures_its_gain():
+    sessions = generate(WorkloadSpec(family="swebench", sessions=120, seed=9))
+    blocks = calibrate_gpu_blocks(sessions, 16)
+    policy = make_policy("cachescout", PolicyConfig())
+    ours = Engine(EngineConfig(gpu_blocks=blocks), policy).run(sessions).summary()["token_hit_rate"]
+    lru = Engine(EngineConfig(gpu_blocks=blocks), make_policy("lru", PolicyConfig())).run(sessions).summary()
+    assert ours > lru["token_hit_rate"] + 0.01
+    assert policy.core.guard.estimated_gain() > 0.005
+    assert policy.core.guard.trust == 1.0
