@@ -47,7 +47,8 @@ class PolicyConfig:
     max_sessions: int = _setting(8192, "sessions tracked at once; the least recent are closed first",
                                  lo=1, hi=10_000_000)
     session_window_tokens: int = _setting(
-        192, "tokens after the anchor whose content identifies a session", lo=8, hi=65536)
+        192, "tokens past what earlier prompts already covered whose content identifies a session",
+        lo=8, hi=65536)
     session_min_shared_chunks: int = _setting(
         3, "content chunks a call must share with a session to join it", lo=1, hi=1024)
     session_time_association: bool = _setting(

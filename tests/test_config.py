@@ -47,3 +47,10 @@ def test_from_mapping_round_trip_and_type_of_mapping():
 def test_config_error_is_a_value_error():
     with pytest.raises(ValueError):
         PolicyConfig(max_agents=1)
+
+
+def test_docs_list_every_setting_with_its_default():
+    import pathlib
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "policy.md").read_text()
+    for name, _, default, _ in PolicyConfig.describe():
+        assert f"| `{name}` |" in doc and f"| {default!r} |" in doc.split(f"| `{name}` |")[1].split("\n")[0], name
