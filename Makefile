@@ -9,7 +9,8 @@ STAMP := $(VENV)/.installed
 .PHONY: bench test microbench venv clean-venv
 
 venv: $(STAMP)
-	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >/dev/null
+	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >$(VENV)/install.log 2>&1 \
+		|| { cat $(VENV)/install.log; exit 1; }
 
 $(STAMP): $(PINS)
 	@echo "building $(VENV)"
