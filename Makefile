@@ -23,6 +23,7 @@ bench: venv
 	$(VENV)/bin/cachescout bench $(ARGS)
 
 test: venv
+	$(VENV)/bin/ruff check -q policy bench connector tests
 	$(PY) -m pytest $(ARGS)
 
 microbench: venv

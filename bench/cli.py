@@ -48,7 +48,8 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--policies: unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}")
     if args.routing not in ROUTINGS:
         raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, got {args.routing!r}")
-    if args.sessions < 1 or args.rate <= 0 or args.block_size < 1 or (args.gpu_blocks is not None and args.gpu_blocks < 1):
+    if (args.sessions < 1 or args.rate <= 0 or args.block_size < 1
+            or (args.gpu_blocks is not None and args.gpu_blocks < 1)):
         raise ValueError("--sessions, --rate, --block-size and --gpu-blocks must be positive")
     opts = BenchOptions(families=families, policies=policies, sessions=args.sessions, rate=args.rate,
                         routing=args.routing, arrivals=args.arrivals, seed=args.seed,

@@ -57,14 +57,14 @@ def bench_observe() -> dict:
             calls.append((s.session_id, c, tokens, chain_hashes(tokens, 16)))
     policy = CacheScoutPolicy(PolicyConfig(), clock=lambda: 0.0)
     samples = []
-    for i, (sid, call, tokens, hashes) in enumerate(calls):
+    for i, (_, call, tokens, hashes) in enumerate(calls):
         t0 = time.perf_counter_ns()
         policy.observe(i, hashes, tokens=tokens, now=i * 0.05)
         samples.append(time.perf_counter_ns() - t0)
         policy.finish(i, now=i * 0.05 + 0.01, output_tokens=call.output)
     hinted = CacheScoutPolicy(PolicyConfig(), clock=lambda: 0.0)
     hsamples = []
-    for i, (sid, call, tokens, hashes) in enumerate(calls):
+    for i, (sid, call, _, hashes) in enumerate(calls):
         t0 = time.perf_counter_ns()
         hinted.observe(i, hashes, hints=Hints(agent=call.agent, session=sid), now=i * 0.05)
         hsamples.append(time.perf_counter_ns() - t0)

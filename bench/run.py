@@ -135,7 +135,8 @@ def format_table(report: dict) -> str:
     widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
     lines = [head]
     for k, row in enumerate(rows):
-        lines.append("  " + "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        cells = (c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
+        lines.append("  " + "  ".join(cells))
         if k == 0:
             lines.append("  " + "  ".join("-" * w for w in widths))
     return "\n".join(lines)

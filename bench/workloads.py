@@ -4,9 +4,10 @@ The framework is a supervisor with five specialists. Every call's prompt is
     shared framework preamble + the agent's anchor + the user's task + that agent's context,
 where the supervisor's context is every specialist's answer so far and a specialist's context is
 the supervisor's instructions to it and its own earlier work (outputs, tool observations). Contexts
-are append-only, so a session's next call to the same agent extends its previous prompt. The supervisor decides at run time which specialist runs
-next, from a stochastic policy that depends on the task family and on the last specialist; every
-specialist hands back to the supervisor; the summarizer ends the session. Sessions arrive as a
+are append-only, so a session's next call to the same agent extends its previous prompt. The
+supervisor decides at run time which specialist runs next, from a stochastic policy that depends on
+the task family and on the last specialist; every specialist hands back to the supervisor; the
+summarizer ends the session. Sessions arrive as a
 Poisson process (or in bursts); inside a session, each call is issued a tool/think latency after the
 previous one finished (closed loop).
 

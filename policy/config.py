@@ -96,7 +96,8 @@ class PolicyConfig:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ConfigError(f"unknown setting(s) {', '.join(map(repr, unknown))}; accepted: {', '.join(sorted(known))}")
+            raise ConfigError(f"unknown setting(s) {', '.join(map(repr, unknown))}; "
+                              f"accepted: {', '.join(sorted(known))}")
         return cls(**values)
 
     def replace(self, **changes: Any) -> PolicyConfig:

@@ -76,7 +76,6 @@ class Observation:
 @dataclasses.dataclass(slots=True)
 class _Live:
     obs: Observation
-    blocks: int = 0
 
 
 class CacheScoutPolicy:
@@ -171,7 +170,8 @@ class CacheScoutPolicy:
         self.stats["recognised"] += agent is not None
         return obs
 
-    def finish(self, request_id: Hashable, now: float | None = None, output_tokens: Sequence[int] | None = None) -> None:
+    def finish(self, request_id: Hashable, now: float | None = None,
+               output_tokens: Sequence[int] | None = None) -> None:
         """The request's call ended (its blocks are released separately, by `blocks_freed`).
         `output_tokens`, when given, help recognise the session of the call that uses them next."""
         live = self._live.pop(request_id, None)
@@ -219,7 +219,6 @@ class CacheScoutPolicy:
             for key in block_keys[max(lo, num_cached):hi]:
                 index.add(key, group)
         index.acquire(block_keys[:num_cached])
-        live.blocks = n
 
     def extend_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable]) -> None:
         """Blocks the request filled while decoding (its output): filed with its context."""

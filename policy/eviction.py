@@ -225,10 +225,6 @@ class EvictionIndex:
         """Remove and return the next `n` victims (the same ones `victims` names)."""
         return [b.key for b in self.evict_blocks(n, now)]
 
-    def lru_head_freed_at(self) -> float | None:
-        """When the block LRU would evict next was freed (None when nothing is free)."""
-        return None if self._lru_head is None else self._lru_head.freed_at
-
     def evict_blocks(self, n: int, now: float) -> list[Block]:
         """`evict`, returning the evicted blocks themselves (their `freed_at` is still set)."""
         if self._heap_now != now or self._heap_epoch != self.epoch:

@@ -4,8 +4,9 @@ A shadow LRU cache is simulated on a spatial sample of the blocks (SHARDS, Walds
 FAST 2015): blocks whose key falls in a fixed 1/`SAMPLE` slice of the hash space, in a cache
 1/`SAMPLE` the size. Requests replay into it in the order they reach the real cache, with vLLM's
 semantics: a hit stops at the first sampled block missing, a block is held (unevictable) from the
-request that uses it until it is released, and free blocks leave in the order they were released. Over windows of sampled accesses, the real cache's hits on the same sampled
-blocks are compared with the shadow's: that difference is CacheScout's measured gain over plain LRU.
+request that uses it until it is released, and free blocks leave in the order they were released.
+Over windows of sampled accesses, the real cache's hits on the same sampled blocks are compared with
+the shadow's: that difference is CacheScout's measured gain over plain LRU.
 
 Trust scales every confidence the scorer uses: 1 (use the model) or 0 (plain LRU). A window clearly
 worse than the shadow, or trusted windows that are worse on average, drop it to 0; the model is

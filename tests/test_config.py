@@ -8,7 +8,7 @@ from cachescout.policy import ConfigError, PolicyConfig
 def test_defaults_are_valid_and_documented():
     cfg = PolicyConfig()
     assert cfg.block_size == 16
-    for name, kind, default, doc in PolicyConfig.describe():
+    for name, kind, _, doc in PolicyConfig.describe():
         assert doc and kind in {"int", "float", "bool"}, name
 
 

@@ -2,7 +2,7 @@ from collections import OrderedDict
 
 from hypothesis import given
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from cachescout.policy import EvictionIndex
 

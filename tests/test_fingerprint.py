@@ -46,7 +46,7 @@ def test_agents_without_a_common_prefix_are_told_apart():
     top, by_agent = majority(labels, since=100)
     ids = [lab for lab, _ in top.values()]
     assert None not in ids and len(set(ids)) == 5
-    for a, (lab, n) in top.items():
+    for a, (_, n) in top.items():
         assert n / sum(by_agent[a].values()) > 0.99
     last = {a: f for _, a, f in labels}
     for a, f in last.items():
@@ -58,7 +58,7 @@ def test_shared_preamble_does_not_merge_agents():
     fp, labels = run(anchors, 900)
     top, by_agent = majority(labels, since=150)
     assert len({lab for lab, _ in top.values()}) == 6 and None not in {lab for lab, _ in top.values()}
-    for a, (lab, n) in top.items():
+    for a, (_, n) in top.items():
         assert n / sum(by_agent[a].values()) > 0.98
     f = labels[-1][2]
     assert f.preamble_blocks == 30 and f.anchor_blocks == 38
@@ -80,7 +80,7 @@ def test_task_text_repeated_by_sessions_does_not_split_an_agent():
     anchors = {n: anchor(n, 12) for n in "AB"}
     fp, labels = run(anchors, 3000, shared_tasks=80)  # a pool of 80 task texts, as MT-Bench has
     top, by_agent = majority(labels, since=200)
-    for a, (lab, n) in top.items():
+    for a, (_, n) in top.items():
         assert n / sum(by_agent[a].values()) > 0.97
     assert len({lab for lab, _ in top.values()}) == 2
 
@@ -109,7 +109,7 @@ def test_agents_age_out_beyond_the_cap():
     fp = AgentFingerprinter(cfg)
     for k in range(8):
         for s in range(6):
-            f = fp.observe(chain(anchor(f"agent{k}", 6) + task(k * 100 + s)))
+            fp.observe(chain(anchor(f"agent{k}", 6) + task(k * 100 + s)))
     assert len(fp.agents()) <= 3
     assert len(fp.retired) >= 4
 

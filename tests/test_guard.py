@@ -1,6 +1,5 @@
 import itertools
 
-import pytest
 
 import cachescout.policy.guard as guard_mod
 from cachescout.bench.policies import CacheScoutReplay, make_policy

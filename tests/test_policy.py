@@ -1,5 +1,4 @@
 import dataclasses
-import random
 from collections import OrderedDict
 
 import pytest
