@@ -6,7 +6,9 @@ from collections.abc import Callable, Hashable, Sequence
 
 from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig
 
+from .oracle import OraclePolicy
 from .replay import LRUPolicy, ReplayPolicy, Request
+from .workloads import Session
 
 
 class CacheScoutReplay(ReplayPolicy):
@@ -47,17 +49,19 @@ class CacheScoutReplay(ReplayPolicy):
         self.core.finish(req, now, output_tokens=req.call.output if self.tokens else None)
 
 
-REGISTRY: dict[str, Callable[[PolicyConfig], ReplayPolicy]] = {
-    "lru": lambda cfg: LRUPolicy(),
-    "cachescout": lambda cfg: CacheScoutReplay(cfg),
-    "cachescout-hints": lambda cfg: CacheScoutReplay(cfg, hints=True, name="cachescout-hints"),
-    "cachescout-hashonly": lambda cfg: CacheScoutReplay(cfg, tokens=False, name="cachescout-hashonly"),
+# Each factory gets the policy settings and the workload (only the oracle looks at the future).
+REGISTRY: dict[str, Callable[[PolicyConfig, Sequence[Session]], ReplayPolicy]] = {
+    "lru": lambda cfg, sessions: LRUPolicy(),
+    "cachescout": lambda cfg, sessions: CacheScoutReplay(cfg),
+    "cachescout-hints": lambda cfg, sessions: CacheScoutReplay(cfg, hints=True, name="cachescout-hints"),
+    "cachescout-hashonly": lambda cfg, sessions: CacheScoutReplay(cfg, tokens=False, name="cachescout-hashonly"),
+    "oracle": lambda cfg, sessions: OraclePolicy(sessions, cfg.block_size),
 }
 
 
-def make_policy(name: str, config: PolicyConfig) -> ReplayPolicy:
+def make_policy(name: str, config: PolicyConfig, sessions: Sequence[Session] = ()) -> ReplayPolicy:
     try:
         factory = REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}") from None
-    return factory(config)
+    return factory(config, sessions)

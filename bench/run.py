@@ -76,7 +76,7 @@ def run_workload(family: str, opts: BenchOptions, progress: Progress | None = No
     results = []
     policy_cfg = dataclasses.replace(opts.policy_config, block_size=opts.block_size)
     for name in opts.policies:
-        policy = make_policy(name, policy_cfg)
+        policy = make_policy(name, policy_cfg, sessions)
         t0 = time.perf_counter()
         tick = _ticker(progress, f"{family}: {name}") if progress else None
         summary = Engine(cfg, policy).run(sessions, tick).summary()

@@ -66,6 +66,8 @@ class PolicyConfig:
     prediction_horizon: int = _setting(2, "future calls per session a cached anchor is scored over", lo=1, hi=6)
     model_refresh_interval: int = _setting(
         8, "learner updates between recomputations of multi-step predictions", lo=1, hi=1_000_000)
+    rescore_interval_s: float = _setting(
+        0.1, "seconds of clock between recomputations of the groups' scores", lo=0)
 
     # Prefetch planner.
     prefetch_min_probability: float = _setting(

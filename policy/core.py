@@ -76,6 +76,7 @@ class Observation:
 @dataclasses.dataclass(slots=True)
 class _Live:
     obs: Observation
+    started_at: float
 
 
 class CacheScoutPolicy:
@@ -144,6 +145,10 @@ class CacheScoutPolicy:
             self.scorer.step_s += _EMA * ((now - a.previous_call_at) - self.scorer.step_s)
             self._gap_samples += 1
         self.scorer.new_session_share += _EMA * ((1.0 if a.new else 0.0) - self.scorer.new_session_share)
+        if a.new:
+            self.scorer.note_new_session(now)
+        elif a.previous_agent is not None and s.last_finish_at and s.in_flight == 1:
+            self.scorer.think.note(a.previous_agent, now - s.last_finish_at)
 
         src = START if a.new else a.previous_agent
         predicted = None
@@ -163,7 +168,7 @@ class CacheScoutPolicy:
         else:
             self._next_hint.pop(s.sid, None)
         obs = Observation(request_id, agent, s.sid, a.previous_agent, a.new, a.evidence, predicted, fp)
-        self._live[request_id] = _Live(obs)
+        self._live[request_id] = _Live(obs, now)
         self.stats["requests"] += 1
         if self.stats["requests"] % 512 == 0:
             self.index.prune_groups()
@@ -176,7 +181,9 @@ class CacheScoutPolicy:
         `output_tokens`, when given, help recognise the session of the call that uses them next."""
         live = self._live.pop(request_id, None)
         if live is not None:
-            self.sessions.finished(live.obs.session, self.clock() if now is None else now, output_tokens)
+            now = self.clock() if now is None else now
+            self.scorer.duration.note(live.obs.agent, now - live.started_at)
+            self.sessions.finished(live.obs.session, now, output_tokens)
 
     def observation(self, request_id: Hashable) -> Observation | None:
         live = self._live.get(request_id)
@@ -265,13 +272,14 @@ class CacheScoutPolicy:
     # -- decisions ----------------------------------------------------------------------------
     def victims(self, n: int, now: float | None = None) -> list[Hashable]:
         """The next `n` free blocks to evict, coldest first. Reads state only."""
-        self.scorer.score(self.index, self._next_hint, self.guard.trust)
-        return self.index.victims(n, self.clock() if now is None else now)
+        now = self.clock() if now is None else now
+        self.scorer.score(self.index, self._next_hint, self.guard.trust, now)
+        return self.index.victims(n, now)
 
     def evict(self, n: int, now: float | None = None) -> list[Hashable]:
         """Remove and return the next `n` victims."""
         now = self.clock() if now is None else now
-        self.scorer.score(self.index, self._next_hint, self.guard.trust)
+        self.scorer.score(self.index, self._next_hint, self.guard.trust, now)
         # The cache is full: the blocks cached now are what LRU has to work with (running requests'
         # partial blocks take the rest), so the shadow LRU is sized by this.
         self._evicting = True
@@ -280,7 +288,7 @@ class CacheScoutPolicy:
         return self.index.evict(n, now)
 
     def confidence(self) -> float:
-        return self.scorer.demand()[1]
+        return self.scorer.confidence()
 
     def plan_prefetch(self, locate: Locate, inflight_bytes: int = 0) -> list[PrefetchAction]:
         """Prefetch actions for the anchors the next calls most likely need (see prefetch.py)."""

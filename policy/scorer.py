@@ -1,13 +1,16 @@
-"""Survival scores: how soon each group of cached blocks will be needed again, and how sure we are.
+"""Survival scores: when will each group of cached blocks be needed again, and how sure are we.
 
-For every live session the chain gives the probability that each agent is called within the next
-`prediction_horizon` calls (first-passage probabilities over the learned transitions). Summed over
-the live sessions, plus the sessions expected to start in that window, this is the expected number
-of uses lambda of each agent's anchor; a session's own context under an agent is reused only when
-that session calls the agent again. A group's predicted time to next use is horizon / lambda, its
-value scaled down when a lower tier already holds a copy (then losing it costs a load, not a
-recompute). The eviction index blends the log of that time with the log of the group's LRU age by
-the confidence of the rows involved, so an empty or unpredictable chain gives exactly LRU.
+For every live session the chain gives, per agent, the probability of being called within the next
+`prediction_horizon` calls and at which of them (first-passage probabilities). Timing comes from
+what was observed per agent: how long its calls take and how long a session waits after one (a tool
+runs, a user types). A session in a call of agent X is expected to call again after the rest of
+that call plus X's think time; one idle for much longer than that has likely ended. So each session
+gives each agent a use rate, P(use) / expected time to it; an agent's anchor is used at the sum of
+those rates over live sessions plus the sessions expected to arrive, a session's context under an
+agent only at that session's rate. A group's predicted time to next use is 1 / rate, made longer
+when a lower tier already holds a copy (then losing it costs a load, not a recompute). The eviction
+index blends the log of that time with the log of the group's LRU age by the confidence of the rows
+involved, so an empty or unpredictable chain gives exactly LRU.
 """
 
 from __future__ import annotations
@@ -18,10 +21,35 @@ from collections.abc import Mapping
 from .config import PolicyConfig
 from .costs import RebuildCost
 from .eviction import EvictionIndex
-from .sessions import SessionTracker
+from .sessions import Session, SessionTracker
 from .transitions import START, TransitionLearner
 
-_LAMBDA_FLOOR = 1e-3  # a group nobody is predicted to use is "1000 horizons away", not infinitely
+_RATE_FLOOR = 1e-4     # uses per second of a group nobody is predicted to use: far, not infinitely
+_EMA = 0.05
+_RATE_WINDOW_S = 60.0  # new-session arrivals are counted over about this much time
+
+
+class _Timing:
+    """Exponential moving averages per agent, with a shared fallback for agents not seen yet."""
+
+    __slots__ = ("per_agent", "overall", "samples")
+
+    def __init__(self, initial: float) -> None:
+        self.per_agent: dict[str, float] = {}
+        self.overall = initial
+        self.samples = 0
+
+    def note(self, agent: str | None, seconds: float) -> None:
+        if seconds < 0 or not math.isfinite(seconds):
+            return
+        self.samples += 1
+        self.overall += _EMA * (seconds - self.overall)
+        if agent is not None:
+            old = self.per_agent.get(agent)
+            self.per_agent[agent] = seconds if old is None else old + 2 * _EMA * (seconds - old)
+
+    def get(self, agent: str | None) -> float:
+        return self.per_agent.get(agent, self.overall) if agent is not None else self.overall
 
 
 class SurvivalScorer:
@@ -34,47 +62,81 @@ class SurvivalScorer:
         self.current_anchor: dict[str, int] = {}  # agent -> anchor version node in use now
         self.step_s = 1.0             # typical time between two calls of one session (EMA)
         self.new_session_share = 0.0  # share of calls that open a session (EMA)
-        self._rows: dict[str, tuple[int, dict[str, float], float]] = {}
+        self.duration = _Timing(1.0)  # seconds a call of an agent takes
+        self.think = _Timing(1.0)     # seconds from a call's end to the session's next call
+        self._arrivals = 0.0          # time-decayed new sessions ...
+        self._elapsed = 0.0           # ... over time-decayed seconds
+        self._last_arrival_at: float | None = None
+        self._rows: dict[str, tuple[int, dict[str, float], float, dict[str, float]]] = {}
         self._scored_at: tuple | None = None
+
+    def note_new_session(self, now: float) -> None:
+        if self._last_arrival_at is not None and now > self._last_arrival_at:
+            dt = now - self._last_arrival_at
+            keep = math.exp(-dt / _RATE_WINDOW_S)
+            self._arrivals *= keep
+            self._elapsed = self._elapsed * keep + dt
+        self._last_arrival_at = now
+        self._arrivals += 1.0
+
+    @property
+    def new_session_rate(self) -> float:
+        """Sessions starting per second, recently."""
+        return self._arrivals / self._elapsed if self._elapsed > 0 else 0.0
 
     # -- model views --------------------------------------------------------------------------
     def row(self, src: str) -> tuple[dict[str, float], float]:
         """(reach within the horizon, confidence) of a source agent, recomputed every few updates."""
+        got = self._row(src)
+        return got[1], got[2]
+
+    def _row(self, src: str) -> tuple[int, dict[str, float], float, dict[str, float]]:
+        """(version, reach, confidence, extra calls before the first use given it happens)."""
         version = self.learner.version
         got = self._rows.get(src)
         if got is not None and version - got[0] < self.cfg.model_refresh_interval:
-            return got[1], got[2]
-        reach = self.learner.reach(src, self.cfg.prediction_horizon) if self.learner.has_row(src) else {}
+            return got
+        reach: dict[str, float] = {}
+        extra: dict[str, float] = {}
+        if self.learner.has_row(src):
+            before: dict[str, float] = {}
+            for k in range(1, self.cfg.prediction_horizon + 1):
+                cumulative = self.learner.reach(src, k)
+                for x, p in cumulative.items():
+                    first_at_k = p - before.get(x, 0.0)
+                    if first_at_k > 0:
+                        extra[x] = extra.get(x, 0.0) + first_at_k * (k - 1)
+                before = cumulative
+            reach = before
+            extra = {x: e / reach[x] for x, e in extra.items() if reach.get(x, 0.0) > 0}
         conf = self.learner.confidence(src)
         if conf < self.cfg.min_confidence:
             conf = 0.0
-        self._rows[src] = (version, reach, conf)
+        got = (version, reach, conf, extra)
+        self._rows[src] = got
         if len(self._rows) > 4 * self.cfg.max_agents:
             self._rows.clear()
-        return reach, conf
+        return got
 
-    def demand(self) -> tuple[dict[str, float], float]:
-        """Expected uses of each agent within the horizon over live and arriving sessions, and the
-        confidence of that estimate (live-session-weighted confidence of the rows used)."""
-        lam: dict[str, float] = {}
+    def next_call_in(self, s: Session, now: float) -> tuple[float, float]:
+        """(seconds until the session's next call is expected, probability it is still going)."""
+        agent = s.agent
+        think = max(self.think.get(agent), 1e-3)
+        if s.in_flight:
+            remaining = max(self.duration.get(agent) - (now - s.last_call_at), 0.1 * self.duration.get(agent))
+            return remaining + think, 1.0
+        idle = now - max(s.last_finish_at, s.last_call_at)
+        alive = math.exp(-max(0.0, idle - 2.0 * think) / think)
+        return max(think - idle, 0.1 * think), alive
+
+    def confidence(self) -> float:
+        """Confidence of the rows the live sessions are predicted from (0 below min_confidence)."""
         num = den = 0.0
-        counts = self.sessions.agent_counts
-        n_live = 0
-        for agent, n in counts.items():
-            n_live += n
-            reach, conf = self.row(agent)
-            for x, p in reach.items():
-                lam[x] = lam.get(x, 0.0) + n * p
-            num += n * conf
+        for agent, n in self.sessions.agent_counts.items():
+            num += n * self._row(agent)[2]
             den += n
-        n_new = self.new_session_share * self.cfg.prediction_horizon * max(n_live, 1)
-        if n_new > 0 and self.learner.has_row(START):
-            reach, conf = self.row(START)
-            for x, p in reach.items():
-                lam[x] = lam.get(x, 0.0) + n_new * p
-            num += n_new * conf
-            den += n_new
-        return lam, (num / den if den > 0 else 0.0)
+        conf = num / den if den > 0 else 0.0
+        return conf if conf >= self.cfg.min_confidence else 0.0
 
     def next_call_probabilities(self) -> dict[str, tuple[float, float]]:
         """For each agent X: (P(at least one live or arriving session calls X next), confidence),
@@ -98,46 +160,76 @@ class SurvivalScorer:
 
     # -- scoring ------------------------------------------------------------------------------
     def score(self, index: EvictionIndex, overrides: Mapping[object, str] | None = None,
-              trust: float = 1.0) -> None:
+              trust: float = 1.0, now: float = 0.0) -> None:
         """Write `model` and `conf` of every group; cheap to call again while nothing changed.
 
         `overrides` maps a session id to the agent it is known (hinted) to call next; `trust`
         (from the LRU guard) scales every confidence.
         """
+        # Scores follow sessions and time; recomputing them every `rescore_interval_s` is enough
+        # (groups created in between keep LRU order until then).
         trust = round(trust, 2)
-        stamp = (self.learner.version // self.cfg.model_refresh_interval, self.sessions.version,
-                 len(index.groups()), trust)
+        interval = self.cfg.rescore_interval_s
+        tick = int(now / interval) if interval > 0 else now
+        stamp = (self.learner.version // self.cfg.model_refresh_interval, trust, tick)
         if stamp == self._scored_at:
             return
         self._scored_at = stamp
-        lam, conf_all = self.demand()
-        if overrides:
-            for nxt in overrides.values():
-                lam[nxt] = lam.get(nxt, 0.0) + 1.0
+        step = max(self.step_s, 1e-3)
+        # Per live session: expected time to its next call, whether it is still going, and the rate
+        # at which it will use each agent.
+        per_session: dict[object, dict[str, float]] = {}
+        anchor_rate: dict[str, float] = {}
+        num = den = 0.0
+        for s in self.sessions:
+            if s.agent is None:
+                continue
+            _, reach, conf, extra = self._row(s.agent)
+            t_next, alive = self.next_call_in(s, now)
+            rates = {x: alive * p / (t_next + extra.get(x, 0.0) * step) for x, p in reach.items()}
+            nxt = overrides.get(s.sid) if overrides else None
+            if nxt is not None:
+                rates[nxt] = max(rates.get(nxt, 0.0), alive / t_next)   # the framework said so
+            per_session[s.sid] = rates
+            for x, r in rates.items():
+                anchor_rate[x] = anchor_rate.get(x, 0.0) + r
+            num += alive * conf
+            den += alive
+        new_rate = self.new_session_rate
+        if new_rate > 0 and self.learner.has_row(START):
+            _, reach, conf, extra = self._row(START)
+            for x, p in reach.items():
+                anchor_rate[x] = anchor_rate.get(x, 0.0) + new_rate * p
+            share = new_rate * step
+            num += share * conf
+            den += share
+        conf_all = num / den if den > 0 else 0.0
         if conf_all < self.cfg.min_confidence:
             conf_all = 0.0
-        log_h = math.log(self.cfg.prediction_horizon * self.step_s)
+        floor = -math.log(_RATE_FLOOR)
         backed_value = self.cost.backed_value("cpu")
-        sessions = self.sessions
         current = self.current_anchor
+        row_conf = {}
         anchors = []
         preambles = []
         for g in index.groups():
             kind = g.kind
             if kind == "context":
-                s = sessions.get(g.session)
+                s = self.sessions.get(g.session)
                 if s is None:
-                    lam_g, conf = 0.0, conf_all           # the session is over
+                    rate, conf = 0.0, conf_all             # the session is over
                 elif s.agent is None or g.agent is None:
-                    lam_g, conf = 0.0, 0.0                 # nothing known: LRU
+                    rate, conf = 0.0, 0.0                  # nothing known: LRU
                 else:
-                    reach, conf = self.row(s.agent)
-                    lam_g = reach.get(g.agent, 0.0)
+                    rate = per_session.get(g.session, {}).get(g.agent, 0.0)
+                    conf = row_conf.get(s.agent)
+                    if conf is None:
+                        conf = row_conf[s.agent] = self._row(s.agent)[2]
                     if overrides and overrides.get(g.session) == g.agent:
-                        lam_g, conf = 1.0, 1.0             # the framework said so
+                        conf = 1.0
             elif kind == "anchor":
                 anchors.append(g)
-                lam_g = lam.get(g.agent, 0.0) if current.get(g.agent) == g.gid[2] else 0.0
+                rate = anchor_rate.get(g.agent, 0.0) if current.get(g.agent) == g.gid[2] else 0.0
                 conf = conf_all
             elif kind == "preamble":
                 preambles.append(g)
@@ -148,8 +240,8 @@ class SurvivalScorer:
                 g.model, g.conf = 0.0, 0.0
                 continue
             if g.n_free and g.n_backed_free:
-                lam_g *= 1.0 - (g.n_backed_free / g.n_free) * (1.0 - backed_value)
-            g.model = log_h - math.log(max(lam_g, _LAMBDA_FLOOR))
+                rate *= 1.0 - (g.n_backed_free / g.n_free) * (1.0 - backed_value)
+            g.model = -math.log(rate) if rate > _RATE_FLOOR else floor
             g.conf = conf * trust
         # A prefix is needed whenever anything below it is: parents never look colder than children.
         for g in index.groups():
@@ -160,7 +252,7 @@ class SurvivalScorer:
                 g.parent.model = g.model
         for g in preambles:
             if g.model == math.inf:
-                g.model = log_h - math.log(_LAMBDA_FLOOR)
+                g.model = floor
         index.scores_changed()
 
     def invalidate(self) -> None:
