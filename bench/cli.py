@@ -19,7 +19,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "and compare policies on the same trace, cache size and run.")
     b.add_argument("--workloads", default="gsm8k,mtbench,gaia,swebench",
                    help="comma-separated task families (default: all four)")
-    b.add_argument("--policies", default="lru,cachescout,cachescout-hints", help="comma-separated policies")
+    b.add_argument("--policies", default="lru,cachescout,cachescout-hints,oracle",
+                   help="comma-separated policies (default lru,cachescout,cachescout-hints,oracle)")
     b.add_argument("--sessions", type=int, default=300, help="sessions per workload (default 300)")
     b.add_argument("--rate", type=float, default=2.0, help="session arrivals per second (default 2)")
     b.add_argument("--routing", default="learned", help="learned, uniform or random (default learned)")

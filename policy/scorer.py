@@ -27,6 +27,7 @@ from .transitions import START, TransitionLearner
 _RATE_FLOOR = 1e-4     # uses per second of a group nobody is predicted to use: far, not infinitely
 _EMA = 0.05
 _RATE_WINDOW_S = 60.0  # new-session arrivals are counted over about this much time
+_LINKED_SHARE = 0.2    # multi-call sessions spanning agents, at and above which contexts are trusted
 
 
 class _Timing:
@@ -118,6 +119,16 @@ class SurvivalScorer:
             self._rows.clear()
         return got
 
+    def session_links(self) -> float:
+        """How far to trust predictions about sessions' contexts, in [0, 1]: 0 when several agents
+        are active but almost no session that ended used more than one of them (sessions are
+        evidently not being linked across agents), 1 when at least a fifth of them did, or when
+        there is no evidence either way."""
+        share = self.sessions.cross_agent_share()
+        if share is None or len(self.current_anchor) < 2:
+            return 1.0
+        return min(1.0, share / _LINKED_SHARE)
+
     def next_call_in(self, s: Session, now: float) -> tuple[float, float]:
         """(seconds until the session's next call is expected, probability it is still going)."""
         agent = s.agent
@@ -208,6 +219,7 @@ class SurvivalScorer:
             conf_all = 0.0
         floor = -math.log(_RATE_FLOOR)
         backed_value = self.cost.backed_value("cpu")
+        link = self.session_links()
         current = self.current_anchor
         row_conf = {}
         anchors = []
@@ -224,7 +236,7 @@ class SurvivalScorer:
                     rate = per_session.get(g.session, {}).get(g.agent, 0.0)
                     conf = row_conf.get(s.agent)
                     if conf is None:
-                        conf = row_conf[s.agent] = self._row(s.agent)[2]
+                        conf = row_conf[s.agent] = self._row(s.agent)[2] * link
                     if overrides and overrides.get(g.session) == g.agent:
                         conf = 1.0
             elif kind == "anchor":

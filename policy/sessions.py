@@ -27,6 +27,8 @@ from collections.abc import Hashable, Iterator, Sequence
 from .config import PolicyConfig
 from .transitions import TransitionLearner
 
+_MIN_ENDED = 20.0            # multi-call sessions needed before judging session links
+_ENDED_DECAY = 0.995         # ... counted with a half-life of about 140 sessions
 _MIN_IDLE_S = 5.0           # never call a session over sooner than this
 _TIME_SCAN = 256            # idle sessions examined for a time-based match
 _CUT_MASK = 7               # a cut after ~1 token in 8: chunks of ~8 tokens
@@ -88,6 +90,11 @@ class SessionTracker:
         self.agent_counts: Counter[str] = Counter()   # current agent of each live session
         self.version = 0
         self.evidence = Counter()
+        # Of the sessions that ended after two or more calls, how many involved two or more agents
+        # (decayed): near zero while several agents are active means sessions are not being
+        # linked across agents (no token ids, no hints), so predictions about contexts are unfounded.
+        self.multi_call = 0.0
+        self.multi_agent = 0.0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -208,7 +215,20 @@ class SessionTracker:
         if agent is not None:
             self.agent_counts[agent] += 1
 
+    def cross_agent_share(self) -> float | None:
+        """Share of multi-call sessions (live ones, and ended ones decayed) that used two or more
+        agents; None while there are too few to tell. O(live sessions): call it now and then."""
+        multi, mixed = self.multi_call, self.multi_agent
+        for s in self._sessions.values():
+            if s.calls >= 2:
+                multi += 1.0
+                mixed += len(s.called) >= 2
+        return mixed / multi if multi >= _MIN_ENDED else None
+
     def _forget(self, s: Session) -> None:
+        if s.calls >= 2:
+            self.multi_call = self.multi_call * _ENDED_DECAY + 1.0
+            self.multi_agent = self.multi_agent * _ENDED_DECAY + (1.0 if len(s.called) >= 2 else 0.0)
         if s.agent is not None and s.calls:
             self.agent_counts[s.agent] -= 1
             if self.agent_counts[s.agent] <= 0:

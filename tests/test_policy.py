@@ -161,3 +161,16 @@ def test_snapshot_round_trip_between_replicas():
     assert b.predict_next("sup")[0][0] == "coder"
     with pytest.raises(ValueError, match="half_life"):
         b.absorb(dataclasses.replace(a.snapshot(), half_life=1.0))
+
+
+def test_unlinked_sessions_are_detected_and_linked_ones_trusted():
+    """Without token ids, one workflow's calls to different agents cannot be linked: context
+    predictions must then stop counting; with token ids they must count fully."""
+    sessions = generate(WorkloadSpec(family="swebench", sessions=80, seed=12))
+    links = {}
+    for name in ("cachescout", "cachescout-hashonly"):
+        policy = make_policy(name, PolicyConfig(), sessions)
+        Engine(EngineConfig(gpu_blocks=4000), policy).run(sessions)
+        links[name] = policy.core.scorer.session_links()
+    assert links["cachescout"] == 1.0
+    assert links["cachescout-hashonly"] < 0.2
