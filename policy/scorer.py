@@ -28,6 +28,7 @@ _RATE_FLOOR = 1e-4     # uses per second of a group nobody is predicted to use: 
 _EMA = 0.05
 _RATE_WINDOW_S = 60.0  # new-session arrivals are counted over about this much time
 _LINKED_SHARE = 0.2    # multi-call sessions spanning agents, at and above which contexts are trusted
+_UNLINKED_SHARE = 0.1  # ... and at and below which they are not
 
 
 class _Timing:
@@ -121,13 +122,13 @@ class SurvivalScorer:
 
     def session_links(self) -> float:
         """How far to trust predictions about sessions' contexts, in [0, 1]: 0 when several agents
-        are active but almost no session that ended used more than one of them (sessions are
-        evidently not being linked across agents), 1 when at least a fifth of them did, or when
-        there is no evidence either way."""
+        are active but under a tenth of the multi-call sessions used more than one of them
+        (sessions are evidently not being linked across agents; the few that are come from agents
+        relabelled while their anchors were learned), 1 from a fifth on, or with no evidence."""
         share = self.sessions.cross_agent_share()
         if share is None or len(self.current_anchor) < 2:
             return 1.0
-        return min(1.0, share / _LINKED_SHARE)
+        return min(1.0, max(0.0, (share - _UNLINKED_SHARE) / (_LINKED_SHARE - _UNLINKED_SHARE)))
 
     def next_call_in(self, s: Session, now: float) -> tuple[float, float]:
         """(seconds until the session's next call is expected, probability it is still going)."""

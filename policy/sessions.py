@@ -9,9 +9,10 @@ Evidence, strongest first:
    Chunks come from prompts and from outputs (an output is usually part of the next prompt). A call
    joins the session that owns at least `session_min_shared_chunks` of its chunks and most of the
    chunks any session owns; chunks seen in two sessions (boilerplate) are ignored from then on;
-4. time (optional, weakest, only for calls that carry no tokens, as in hash-only traces): the idle
-   session whose last agent the learned chain finds most likely to call this agent next, if that
-   probability is high enough;
+4. time (off by default; only for calls that carry no tokens): the idle session whose last agent
+   the learned chain finds most likely to call this agent next. Measured on the built-in workloads
+   it made no correct link, and its guesses feed the chain the transitions that make more guesses
+   pass, so it stays an experiment;
 otherwise the call starts a new session. Contexts are assumed append-only, so a session that has
 already called this agent is never a candidate for 3 or 4 (its repeat calls are continuations).
 Sessions idle past `session_idle_timeout_s` are over.
@@ -67,6 +68,7 @@ class Session:
     hinted: bool = False
     chunks: list[int] = dataclasses.field(default_factory=list)
     called: set[str] = dataclasses.field(default_factory=set)  # agents this session has called
+    linked: set[str] = dataclasses.field(default_factory=set)  # ... joined on firm evidence (not time)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -152,6 +154,8 @@ class SessionTracker:
         self._move(s, agent)
         if agent is not None:
             s.called.add(agent)
+            if evidence != "time":
+                s.linked.add(agent)
         s.calls += 1
         s.in_flight += 1
         s.last_call_at = now
@@ -222,13 +226,13 @@ class SessionTracker:
         for s in self._sessions.values():
             if s.calls >= 2:
                 multi += 1.0
-                mixed += len(s.called) >= 2
+                mixed += len(s.linked) >= 2
         return mixed / multi if multi >= _MIN_ENDED else None
 
     def _forget(self, s: Session) -> None:
         if s.calls >= 2:
             self.multi_call = self.multi_call * _ENDED_DECAY + 1.0
-            self.multi_agent = self.multi_agent * _ENDED_DECAY + (1.0 if len(s.called) >= 2 else 0.0)
+            self.multi_agent = self.multi_agent * _ENDED_DECAY + (1.0 if len(s.linked) >= 2 else 0.0)
         if s.agent is not None and s.calls:
             self.agent_counts[s.agent] -= 1
             if self.agent_counts[s.agent] <= 0:

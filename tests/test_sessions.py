@@ -58,12 +58,12 @@ def test_time_association_follows_the_chain():
     learner = TransitionLearner()
     for _ in range(20):
         learner.update("coder", "sup")
-    tracker = SessionTracker(PolicyConfig(), learner)
+    tracker = SessionTracker(PolicyConfig(session_time_association=True), learner)
     a = tracker.assign(0.0, "coder")
     tracker.finished(a.session.sid, 1.0)
     b = tracker.assign(2.0, "sup")
     assert b.session is a.session and b.evidence == "time"
-    off = SessionTracker(PolicyConfig(session_time_association=False), learner)
+    off = SessionTracker(PolicyConfig(), learner)
     x = off.assign(0.0, "coder")
     off.finished(x.session.sid, 1.0)
     assert off.assign(2.0, "sup").new
