@@ -29,6 +29,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--gpu-blocks", type=int, default=None,
                    help="GPU cache size in blocks (default: sized per workload so LRU hits about 68%%)")
     b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--trace", default=None, help="replay this JSONL trace (.jsonl or .jsonl.gz) instead")
+    b.add_argument("--trace-block-size", type=int, default=512,
+                   help="block size of trace records without 'block_size' (default 512, as Mooncake)")
+    b.add_argument("--strict-trace", action="store_true", help="reject a trace with any malformed line")
+    b.add_argument("--export-trace", default=None, metavar="DIR",
+                   help="write each built-in workload's calls to DIR/<workload>.jsonl")
     b.add_argument("--json", default="results.json", help="where to write results (default results.json)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p
@@ -52,9 +58,15 @@ def _bench(args: argparse.Namespace) -> int:
     if (args.sessions < 1 or args.rate <= 0 or args.block_size < 1
             or (args.gpu_blocks is not None and args.gpu_blocks < 1)):
         raise ValueError("--sessions, --rate, --block-size and --gpu-blocks must be positive")
+    if args.trace_block_size < 1:
+        raise ValueError("--trace-block-size must be a positive integer")
+    if args.trace and args.export_trace:
+        raise ValueError("--export-trace writes the built-in workloads; it cannot be combined with --trace")
     opts = BenchOptions(families=families, policies=policies, sessions=args.sessions, rate=args.rate,
                         routing=args.routing, arrivals=args.arrivals, seed=args.seed,
-                        gpu_blocks=args.gpu_blocks, block_size=args.block_size)
+                        gpu_blocks=args.gpu_blocks, block_size=args.block_size, trace=args.trace,
+                        trace_block_size=args.trace_block_size, strict_trace=args.strict_trace,
+                        export_trace=args.export_trace)
     progress = None if args.quiet else _progress_line
     report = run(opts, progress)
     if not args.quiet:

@@ -15,7 +15,7 @@ import itertools
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
 
-from .replay import Engine, EngineConfig, LRUPolicy, ReplayPolicy, Request, chain_hashes
+from .replay import Engine, EngineConfig, LRUPolicy, ReplayPolicy, Request, call_keys
 from .workloads import Session
 
 _NEVER = float("inf")
@@ -32,7 +32,7 @@ class OraclePolicy(ReplayPolicy):
         for s in sessions:
             for i, call in enumerate(s.calls):
                 t = arrival[(s.session_id, i)]
-                for depth, key in enumerate(chain_hashes(call.prompt(), block_size)):
+                for depth, key in enumerate(call_keys(call, block_size)):
                     uses[key].append((t, depth))
         for lst in uses.values():
             lst.sort()

@@ -26,7 +26,9 @@ class CacheScoutReplay(ReplayPolicy):
     def arrived(self, req: Request, now: float) -> None:
         self.now = now
         hints = Hints(agent=req.agent, session=req.session.session_id) if self.hints else None
-        obs = self.core.observe(req, req.hashes, tokens=req.tokens if self.tokens else None, hints=hints, now=now)
+        tokens = req.tokens if self.tokens else None
+        content = getattr(req.call, "chunks", None) if self.tokens and tokens is None else None
+        obs = self.core.observe(req, req.hashes, tokens=tokens, content=content or None, hints=hints, now=now)
         self.observations.append((req, obs))
 
     def reused(self, keys: Sequence[Hashable], now: float) -> None:
@@ -46,7 +48,13 @@ class CacheScoutReplay(ReplayPolicy):
         return self.core.evict(n, now)
 
     def finished(self, req: Request, now: float) -> None:
-        self.core.finish(req, now, output_tokens=req.call.output if self.tokens else None)
+        call = req.call
+        if not self.tokens:
+            self.core.finish(req, now)
+        elif hasattr(call, "output"):
+            self.core.finish(req, now, output_tokens=call.output)
+        else:
+            self.core.finish(req, now, output_chunks=call.output_chunks)
 
 
 # Each factory gets the policy settings and the workload (only the oracle looks at the future).

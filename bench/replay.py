@@ -52,6 +52,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_batched_tokens: int = 8192
     cost: CostProfile = CostProfile()
+    recompute_last_token: bool = True    # vLLM always computes a prompt's last token; off only to
+                                         # compare with simulators that do not
 
     def __post_init__(self) -> None:
         for name in ("gpu_blocks", "block_size", "max_num_seqs", "max_batched_tokens"):
@@ -117,7 +119,7 @@ class Request:
     index: int
     call: Call
     issued_at: float
-    tokens: list[int] = dataclasses.field(default_factory=list)
+    tokens: list[int] | None = None  # prompt token ids (None when replaying a trace of hashes)
     hashes: list[int] = dataclasses.field(default_factory=list)     # full prompt blocks
     keys: list[int] = dataclasses.field(default_factory=list)       # cached blocks held (prompt, then output)
     prompt_len: int = 0
@@ -135,6 +137,12 @@ class Request:
     @property
     def agent(self) -> str:
         return self.call.agent
+
+
+def call_keys(call, block_size: int) -> list[int]:
+    """Block keys of a call's prompt: chained hashes of its tokens, or a trace record's ids."""
+    tokens = call.prompt_tokens()
+    return chain_hashes(tokens, block_size) if tokens is not None else call.block_keys(block_size)
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = 0, start: int = 0) -> list[int]:
@@ -251,7 +259,9 @@ class Engine:
         hashes = req.hashes
         ref = self.ref
         hit = 0
-        limit = (req.prompt_len - 1) // bs       # the last prompt token is always computed
+        # vLLM always computes the prompt's last token, so a fully cached prompt still misses its
+        # last block.
+        limit = (req.prompt_len - 1) // bs if self.cfg.recompute_last_token else req.prompt_len // bs
         while hit < limit and hashes[hit] in ref:
             hit += 1
         held = hashes[:hit]
@@ -290,7 +300,10 @@ class Engine:
                 return False
             req.partial_blocks += 1
         if total % bs == 0:                      # a block just filled: it becomes cached
-            h = hash((req.last_hash, tuple(self._span(req, total - bs, total))))
+            if req.tokens is not None:
+                h = hash((req.last_hash, tuple(self._span(req, total - bs, total))))
+            else:                                # a trace record names its output's blocks
+                h = req.call.output_key(total // bs - len(req.hashes) - 1, req.last_hash)
             req.last_hash = h
             req.partial_blocks -= 1
             if h in self.ref:                    # the same content is cached: share it, drop ours
@@ -340,9 +353,10 @@ class Engine:
                 self.now = pending[0][0]
             while pending and pending[0][0] <= self.now:
                 _, _, req = heapq.heappop(pending)
-                req.tokens = req.call.prompt()
-                req.prompt_len = len(req.tokens)
-                req.hashes = chain_hashes(req.tokens, cfg.block_size)
+                req.tokens = req.call.prompt_tokens()
+                req.prompt_len = req.call.prompt_len
+                req.hashes = (chain_hashes(req.tokens, cfg.block_size) if req.tokens is not None
+                              else req.call.block_keys(cfg.block_size))
                 waiting.append(req)
                 policy.arrived(req, self.now)
             # 1) decode for running requests past prefill
@@ -394,7 +408,7 @@ class Engine:
                 if not req.running:
                     continue
                 req.generated += 1
-                if req.generated >= len(req.call.output):
+                if req.generated >= req.call.output_len:
                     finished.append(req)
             for req, chunk in prefill:
                 if not req.running:
@@ -404,7 +418,7 @@ class Engine:
                     if req.first_token_at is None:
                         req.first_token_at = self.now
                     req.generated = 1            # the prefill step samples the first token
-                    if len(req.call.output) <= 1:
+                    if req.call.output_len <= 1:
                         finished.append(req)
             for req in finished:
                 req.finished_at = self.now
@@ -413,7 +427,7 @@ class Engine:
                 running.remove(req)
                 policy.finished(req, self.now)
                 done.append(req)
-                req.tokens = []  # free memory
+                req.tokens = None  # free memory
                 nxt = req.index + 1
                 if nxt < len(req.session.calls):
                     t = self.now + req.call.think_s

@@ -6,12 +6,14 @@ import dataclasses
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from cachescout.policy import PolicyConfig
 
 from .metrics import inference_accuracy
 from .policies import make_policy
 from .replay import Engine, EngineConfig
+from .trace import export_trace, read_trace
 from .workloads import Session, WorkloadSpec, anchor_share, generate
 
 DEFAULT_POLICIES = ("lru", "cachescout", "cachescout-hints", "oracle")
@@ -30,6 +32,10 @@ class BenchOptions:
     gpu_blocks: int | None = None       # None: calibrate to TARGET_LRU_HIT per workload
     block_size: int = 16
     policy_config: PolicyConfig = PolicyConfig()
+    trace: str | None = None            # replay this trace file instead of the built-in workloads
+    trace_block_size: int = 512         # block size of trace records that do not state theirs
+    strict_trace: bool = False          # reject a trace with a malformed line (else skip it)
+    export_trace: str | None = None     # write each built-in workload's calls here (a folder)
 
 
 Progress = Callable[[str], None]
@@ -64,26 +70,54 @@ def run_workload(family: str, opts: BenchOptions, progress: Progress | None = No
     spec = WorkloadSpec(family=family, sessions=opts.sessions, rate=opts.rate, arrivals=opts.arrivals,
                         routing=opts.routing, seed=opts.seed)
     sessions = generate(spec)
+    report = run_sessions(family, sessions, opts.block_size, opts, progress,
+                          export=Path(opts.export_trace) / f"{family}.jsonl" if opts.export_trace else None)
+    report["spec"] = dataclasses.asdict(spec)
+    report["anchor_share"] = anchor_share(sessions)
+    return report
+
+
+def run_trace(opts: BenchOptions, progress: Progress | None = None) -> dict:
+    sessions, read = read_trace(opts.trace, block_size=opts.trace_block_size, strict=opts.strict_trace)
+    if not sessions:
+        raise ValueError(f"--trace {opts.trace}: no valid record ({read.skipped} skipped)")
+    block_size = sessions[0].calls[0].block_size
+    report = run_sessions(Path(opts.trace).name, sessions, block_size, opts, progress)
+    report["trace"] = {"path": str(opts.trace), "records": read.records, "skipped": read.skipped,
+                       "errors": read.errors}
+    return report
+
+
+def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: BenchOptions,
+                 progress: Progress | None = None, export: Path | None = None) -> dict:
+    """Every policy of `opts` on the same sessions and cache size."""
     calls = sum(len(s.calls) for s in sessions)
     blocks = opts.gpu_blocks
     if blocks is None:
         if progress:
-            progress(f"{family}: sizing the GPU cache for LRU at {TARGET_LRU_HIT:.0%}")
-        blocks = calibrate_gpu_blocks(sessions, opts.block_size)
-    cfg = EngineConfig(gpu_blocks=blocks, block_size=opts.block_size)
-    bound = Engine(EngineConfig(gpu_blocks=1 << 30, block_size=opts.block_size),
-                   make_policy("lru", PolicyConfig(block_size=opts.block_size))).run(sessions).summary()
+            progress(f"{name}: sizing the GPU cache for LRU at {TARGET_LRU_HIT:.0%}")
+        blocks = calibrate_gpu_blocks(sessions, block_size)
+    cfg = EngineConfig(gpu_blocks=blocks, block_size=block_size)
+    unbounded = Engine(EngineConfig(gpu_blocks=1 << 30, block_size=block_size),
+                       make_policy("lru", PolicyConfig(block_size=block_size))).run(sessions)
+    bound = unbounded.summary()
+    if export is not None:
+        export.parent.mkdir(parents=True, exist_ok=True)
+        export_trace(unbounded, export, block_size)
+    labelled = all(c.agent is not None for s in sessions for c in s.calls)
     results = []
-    policy_cfg = dataclasses.replace(opts.policy_config, block_size=opts.block_size)
-    for name in opts.policies:
-        policy = make_policy(name, policy_cfg, sessions)
+    policy_cfg = dataclasses.replace(opts.policy_config, block_size=block_size)
+    for policy_name in opts.policies:
+        if policy_name == "cachescout-hints" and not labelled:
+            raise ValueError("cachescout-hints needs every trace record to carry 'agent' (and 'session_id')")
+        policy = make_policy(policy_name, policy_cfg, sessions)
         t0 = time.perf_counter()
-        tick = _ticker(progress, f"{family}: {name}") if progress else None
+        tick = _ticker(progress, f"{name}: {policy_name}") if progress else None
         summary = Engine(cfg, policy).run(sessions, tick).summary()
         summary["replay_wall_s"] = time.perf_counter() - t0
         summary["replay_calls_per_s"] = calls / summary["replay_wall_s"]
         observations = getattr(policy, "observations", None)
-        if observations is not None:
+        if observations is not None and labelled:
             summary.update(inference_accuracy(observations, warmup=min(200, calls // 10)))
         results.append(summary)
     lru = next((r for r in results if r["policy"] == "lru"), None)
@@ -96,13 +130,12 @@ def run_workload(family: str, opts: BenchOptions, progress: Progress | None = No
             gap = oracle["token_hit_rate"] - lru["token_hit_rate"]
             r["oracle_gap_closed"] = (r["token_hit_rate"] - lru["token_hit_rate"]) / gap if gap > 0 else 0.0
     return {
-        "workload": family,
-        "spec": dataclasses.asdict(spec),
+        "workload": name,
         "sessions": len(sessions),
         "calls": calls,
-        "anchor_share": anchor_share(sessions),
+        "anchor_share": None,
         "gpu_blocks": blocks,
-        "block_size": opts.block_size,
+        "block_size": block_size,
         "unbounded_cache_hit_rate": bound["token_hit_rate"],
         "results": results,
     }
@@ -121,9 +154,13 @@ def _ticker(progress: Progress, label: str) -> Callable[[int, int], None]:
 
 
 def format_table(report: dict) -> str:
-    head = (f"{report['workload']}: {report['sessions']} sessions, {report['calls']} calls, "
-            f"anchors {report['anchor_share']:.0%} of prompt tokens, GPU cache {report['gpu_blocks']} blocks "
-            f"x {report['block_size']} tokens, unbounded-cache hit rate {report['unbounded_cache_hit_rate']:.3f}")
+    share = report.get("anchor_share")
+    anchors = f"anchors {share:.0%} of prompt tokens, " if share is not None else ""
+    head = (f"{report['workload']}: {report['sessions']} sessions, {report['calls']} calls, {anchors}"
+            f"GPU cache {report['gpu_blocks']} blocks x {report['block_size']} tokens, "
+            f"unbounded-cache hit rate {report['unbounded_cache_hit_rate']:.3f}")
+    if "trace" in report and report["trace"]["skipped"]:
+        head += f"\n  ({report['trace']['skipped']} malformed trace lines skipped, e.g. {report['trace']['errors'][0]})"
     cols = ("policy", "hit", "prefill tok", "TTFT mean", "TTFT p99", "vs LRU", "gap closed", "agents", "sessions",
             "next-agent")
     rows = [cols]
@@ -147,7 +184,10 @@ def format_table(report: dict) -> str:
 
 def run(opts: BenchOptions, progress: Progress | None = None, out=sys.stdout) -> dict:
     reports = []
-    for family in opts.families:
+    if opts.trace:
+        reports.append(run_trace(opts, progress))
+        print(format_table(reports[-1]) + "\n", file=out, flush=True)
+    for family in () if opts.trace else opts.families:
         report = run_workload(family, opts, progress)
         reports.append(report)
         print(format_table(report) + "\n", file=out, flush=True)

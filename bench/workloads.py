@@ -75,9 +75,17 @@ class Call:
             out.extend(seg)
         return out
 
+    # What the replay engine asks of a call (trace records answer the same, without tokens).
+    def prompt_tokens(self) -> list[int]:
+        return self.prompt()
+
     @property
     def prompt_len(self) -> int:
         return sum(len(s) for s in self.segments)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from .errors import CacheScoutError, ConfigError, StateDecodeError
 from .eviction import EvictionIndex
 from .fingerprint import AgentFingerprinter, Fingerprint, block_key
 from .prefetch import PrefetchAction, PrefetchCandidate, PrefetchPlanner
-from .sessions import SessionTracker, content_chunks
+from .sessions import SessionTracker, content_chunks, content_sketch, sketch_window
 from .state import TransitionSnapshot
 from .transitions import END, START, TransitionLearner
 
@@ -17,4 +17,5 @@ __all__ = [
     "END", "START", "AgentFingerprinter", "CacheScoutError", "CacheScoutPolicy", "ConfigError", "EvictionIndex",
     "Fingerprint", "Hints", "Observation", "PolicyConfig", "PrefetchAction", "PrefetchCandidate", "PrefetchPlanner",
     "SessionTracker", "StateDecodeError", "TransitionLearner", "TransitionSnapshot", "block_key", "content_chunks",
+    "content_sketch", "sketch_window",
 ]

@@ -119,8 +119,12 @@ class CacheScoutPolicy:
         return out
 
     def observe(self, request_id: Hashable, block_hashes: Sequence[int], *, tokens: Sequence[int] | None = None,
-                hints: Hints | None = None, now: float | None = None) -> Observation:
-        """Recognise a new request's agent and session and learn from it."""
+                hints: Hints | None = None, now: float | None = None,
+                content: Sequence[Sequence[int]] | None = None) -> Observation:
+        """Recognise a new request's agent and session and learn from it.
+
+        `tokens`: the prompt's token ids (inside vLLM); or `content`: its `content_sketch`
+        (trace files carry that instead of tokens). Either lets calls be linked into sessions."""
         now = self.clock() if now is None else now
         self._expire(now)
         fp = self.fingerprints.observe(block_hashes)
@@ -139,7 +143,7 @@ class CacheScoutPolicy:
         # (past the anchor, and past task text other sessions repeated).
         start = max(fp.anchor_blocks if fp.agent else fp.preamble_blocks, fp.matched_blocks) * self.cfg.block_size
         a = self.sessions.assign(now, agent, hint=hints.session if hints else None, continues=fp.continues,
-                                 candidates=fp.candidates, tokens=tokens, content_start=start)
+                                 candidates=fp.candidates, tokens=tokens, sketch=content, content_start=start)
         s = a.session
         if a.previous_call_at is not None and now > a.previous_call_at:
             self.scorer.step_s += _EMA * ((now - a.previous_call_at) - self.scorer.step_s)
@@ -176,14 +180,15 @@ class CacheScoutPolicy:
         return obs
 
     def finish(self, request_id: Hashable, now: float | None = None,
-               output_tokens: Sequence[int] | None = None) -> None:
+               output_tokens: Sequence[int] | None = None, output_chunks: Sequence[int] | None = None) -> None:
         """The request's call ended (its blocks are released separately, by `blocks_freed`).
-        `output_tokens`, when given, help recognise the session of the call that uses them next."""
+        `output_tokens` (or their precomputed `output_chunks`) help recognise the session of the
+        call that uses them next."""
         live = self._live.pop(request_id, None)
         if live is not None:
             now = self.clock() if now is None else now
             self.scorer.duration.note(live.obs.agent, now - live.started_at)
-            self.sessions.finished(live.obs.session, now, output_tokens)
+            self.sessions.finished(live.obs.session, now, output_tokens, output_chunks)
 
     def observation(self, request_id: Hashable) -> Observation | None:
         live = self._live.get(request_id)

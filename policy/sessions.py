@@ -56,6 +56,28 @@ def content_chunks(tokens: Sequence[int], start: int, window: int) -> list[int]:
     return out
 
 
+def content_sketch(tokens: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(begin, end, hash) of every complete content-defined chunk of `tokens`: what a trace file
+    stores instead of tokens. `sketch_window` then gives what `content_chunks` gives."""
+    out: list[tuple[int, int, int]] = []
+    last_cut = -1
+    prev = 0
+    for i, tok in enumerate(tokens):
+        if ((tok * _MIX) ^ (prev * 0x85EBCA6B)) >> 17 & _CUT_MASK == 0:
+            if last_cut >= 0:
+                out.append((last_cut, i + 1, hash(tuple(tokens[last_cut:i + 1]))))
+            last_cut = i + 1
+        prev = tok
+    return out
+
+
+def sketch_window(sketch: Sequence[Sequence[int]], start: int, window: int) -> list[int]:
+    """Hashes of the sketch's chunks that lie within tokens[start:start + window], like
+    `content_chunks(tokens, start, window)` (its first chunk begins after the first cut there)."""
+    end = start + window
+    return [h for b, e, h in sketch if b > start and e <= end]
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class Session:
     sid: Hashable
@@ -110,11 +132,12 @@ class SessionTracker:
     # -- assignment ---------------------------------------------------------------------------
     def assign(self, now: float, agent: str | None, *, hint: Hashable | None = None,
                continues: Hashable | None = None, candidates: Sequence[Hashable] = (),
-               tokens: Sequence[int] | None = None, content_start: int = 0) -> Assignment:
+               tokens: Sequence[int] | None = None, sketch: Sequence[Sequence[int]] | None = None,
+               content_start: int = 0) -> Assignment:
         """Pick (or open) the session of a call that is starting now, and move it to `agent`.
 
         `candidates`: sessions that sent the continued prompt identically; content decides
-        between them."""
+        between them. Content comes from `tokens`, or from a precomputed `sketch` (trace files)."""
         s: Session | None = None
         evidence = "new"
         chunks: list[int] = []
@@ -129,8 +152,12 @@ class SessionTracker:
             s = self._sessions.get(continues)
             if s is not None:
                 evidence = "continuation"
-        if s is None and tokens is not None:
-            chunks = content_chunks(tokens, content_start, self.cfg.session_window_tokens)
+        has_content = tokens is not None or sketch is not None
+        if s is None and has_content:
+            if tokens is not None:
+                chunks = content_chunks(tokens, content_start, self.cfg.session_window_tokens)
+            else:
+                chunks = sketch_window(sketch, content_start, self.cfg.session_window_tokens)
             if candidates:
                 live = {self._sessions[c] for c in candidates if c in self._sessions}
                 s = self._match_content(chunks, None, among=live) if live else None
@@ -140,7 +167,7 @@ class SessionTracker:
                 s = self._match_content(chunks, agent)
             if s is not None:
                 evidence = "content"
-        if s is None and tokens is None and agent is not None and self.cfg.session_time_association:
+        if s is None and not has_content and agent is not None and self.cfg.session_time_association:
             s = self._match_time(agent)
             if s is not None:
                 evidence = "time"
@@ -165,12 +192,16 @@ class SessionTracker:
         self.version += 1
         return Assignment(s, previous, new, evidence, previous_at)
 
-    def finished(self, sid: Hashable, now: float, output: Sequence[int] | None = None) -> None:
+    def finished(self, sid: Hashable, now: float, output: Sequence[int] | None = None,
+                 output_chunks: Sequence[int] | None = None) -> None:
         """A call of the session ended. Its output usually reappears in the next agent's prompt
-        (an instruction, an answer), so its leading chunks become evidence for this session."""
+        (an instruction, an answer), so its leading chunks become evidence for this session.
+        `output_chunks`: those chunk hashes precomputed (trace files), instead of `output`."""
         s = self._sessions.get(sid)
         if s is not None and output:
-            self._register(s, content_chunks(output, 0, self.cfg.session_window_tokens))
+            output_chunks = content_chunks(output, 0, self.cfg.session_window_tokens)
+        if s is not None and output_chunks:
+            self._register(s, list(output_chunks))
         if s is not None and s.in_flight > 0:
             s.in_flight -= 1
             s.last_finish_at = now

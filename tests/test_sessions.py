@@ -67,3 +67,11 @@ def test_time_association_follows_the_chain():
     x = off.assign(0.0, "coder")
     off.finished(x.session.sid, 1.0)
     assert off.assign(2.0, "sup").new
+
+
+def test_a_sketch_gives_the_same_chunks_as_the_tokens():
+    from cachescout.policy import content_sketch, sketch_window
+    tokens = words(3, 40) + words(4, 400)
+    sketch = content_sketch(tokens)
+    for start in (0, 1, 40, 97, 300):
+        assert sketch_window(sketch, start, 192) == content_chunks(tokens, start, 192)
