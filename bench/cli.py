@@ -29,6 +29,11 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--gpu-blocks", type=int, default=None,
                    help="GPU cache size in blocks (default: sized per workload so LRU hits about 68%%)")
     b.add_argument("--block-size", type=int, default=16)
+    b.add_argument("--cpu-blocks", type=int, default=0,
+                   help="LMCache CPU tier size in blocks for every policy but lru (default 0: none)")
+    b.add_argument("--redis-blocks", type=int, default=0, help="Redis tier size in blocks (default 0: none)")
+    b.add_argument("--cost-profile", default="llama3.1-8b-h200",
+                   help="step-time profile from bench/data/cost_profiles.json (default llama3.1-8b-h200)")
     b.add_argument("--trace", default=None, help="replay this JSONL trace (.jsonl or .jsonl.gz) instead")
     b.add_argument("--trace-block-size", type=int, default=512,
                    help="block size of trace records without 'block_size' (default 512, as Mooncake)")
@@ -42,6 +47,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _bench(args: argparse.Namespace) -> int:
     from .policies import REGISTRY
+    from .replay import CostProfile
     from .run import BenchOptions, run
     from .workloads import FAMILIES, ROUTINGS
 
@@ -58,6 +64,9 @@ def _bench(args: argparse.Namespace) -> int:
     if (args.sessions < 1 or args.rate <= 0 or args.block_size < 1
             or (args.gpu_blocks is not None and args.gpu_blocks < 1)):
         raise ValueError("--sessions, --rate, --block-size and --gpu-blocks must be positive")
+    if args.cpu_blocks < 0 or args.redis_blocks < 0:
+        raise ValueError("--cpu-blocks and --redis-blocks must be >= 0")
+    CostProfile.named(args.cost_profile)   # an unknown name fails here, listing the known ones
     if args.trace_block_size < 1:
         raise ValueError("--trace-block-size must be a positive integer")
     if args.trace and args.export_trace:
@@ -66,7 +75,8 @@ def _bench(args: argparse.Namespace) -> int:
                         routing=args.routing, arrivals=args.arrivals, seed=args.seed,
                         gpu_blocks=args.gpu_blocks, block_size=args.block_size, trace=args.trace,
                         trace_block_size=args.trace_block_size, strict_trace=args.strict_trace,
-                        export_trace=args.export_trace)
+                        export_trace=args.export_trace, cpu_blocks=args.cpu_blocks,
+                        redis_blocks=args.redis_blocks, cost_profile=args.cost_profile)
     progress = None if args.quiet else _progress_line
     report = run(opts, progress)
     if not args.quiet:

@@ -7,7 +7,8 @@ from collections.abc import Callable, Hashable, Sequence
 from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig
 
 from .oracle import OraclePolicy
-from .replay import LRUPolicy, ReplayPolicy, Request
+from .baselines import ContinuumPolicy, KVFlowPolicy
+from .replay import LMCacheLRUPolicy, LRUPolicy, ReplayPolicy, Request
 from .workloads import Session
 
 
@@ -15,12 +16,15 @@ class CacheScoutReplay(ReplayPolicy):
     """CacheScout's policy core steering the GPU prefix cache's eviction order."""
 
     def __init__(self, config: PolicyConfig | None = None, *, hints: bool = False, tokens: bool = True,
-                 name: str = "cachescout") -> None:
+                 prefetch: bool = True, name: str = "cachescout") -> None:
         self.name = name
         self.now = 0.0
         self.core = CacheScoutPolicy(config, clock=lambda: self.now)
         self.hints = hints
         self.tokens = tokens  # False: block hashes only, as a trace without token ids gives
+        self.do_prefetch = prefetch
+        self._planned_at = -1.0
+        self._agent_of: dict[Hashable, str] = {}   # prefetched key -> the agent it was planned for
         self.observations: list = []   # (request, Observation), for accuracy figures
 
     def arrived(self, req: Request, now: float) -> None:
@@ -47,6 +51,33 @@ class CacheScoutReplay(ReplayPolicy):
         self.now = now
         return self.core.evict(n, now)
 
+    def backed(self, added: Sequence[Hashable], dropped: Sequence[Hashable]) -> None:
+        for key in added:
+            self.core.block_backed(key, True)
+        for key in dropped:
+            self.core.block_backed(key, False)
+
+    def prefetch(self, engine, now: float) -> list[Hashable]:
+        """Plan at most once per rescoring interval: anchors the next calls will need."""
+        if not self.do_prefetch or now - self._planned_at < self.core.cfg.rescore_interval_s:
+            return []
+        self._planned_at = now
+        self.now = now
+        self._agent_of = {}
+        keys = []
+        for action in self.core.plan_prefetch(engine.where, now=now):
+            for key in action.keys:
+                self._agent_of[key] = (action.agent, action.session)
+            keys.extend(action.keys)
+        return keys
+
+    def prefetched(self, keys: Sequence[Hashable], now: float) -> None:
+        by_target: dict[tuple, list] = {}
+        for key in keys:
+            by_target.setdefault(self._agent_of.pop(key, (None, None)), []).append(key)
+        for (agent, session), group in by_target.items():
+            self.core.blocks_prefetched(group, agent, now, session=session)
+
     def finished(self, req: Request, now: float) -> None:
         call = req.call
         if not self.tokens:
@@ -63,6 +94,10 @@ REGISTRY: dict[str, Callable[[PolicyConfig, Sequence[Session]], ReplayPolicy]] =
     "cachescout": lambda cfg, sessions: CacheScoutReplay(cfg),
     "cachescout-hints": lambda cfg, sessions: CacheScoutReplay(cfg, hints=True, name="cachescout-hints"),
     "cachescout-hashonly": lambda cfg, sessions: CacheScoutReplay(cfg, tokens=False, name="cachescout-hashonly"),
+    "cachescout-noprefetch": lambda cfg, sessions: CacheScoutReplay(cfg, prefetch=False, name="cachescout-noprefetch"),
+    "lmcache-lru": lambda cfg, sessions: LMCacheLRUPolicy(),
+    "continuum": lambda cfg, sessions: ContinuumPolicy(),
+    "kvflow": lambda cfg, sessions: KVFlowPolicy(sessions, cfg.block_size),
     "oracle": lambda cfg, sessions: OraclePolicy(sessions, cfg.block_size),
 }
 

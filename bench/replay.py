@@ -22,27 +22,79 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+import json
 from collections import OrderedDict, deque
+from importlib import resources
 from collections.abc import Callable, Hashable, Sequence
 
-from .workloads import Call, Session
+from .workloads import Session
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class CostProfile:
-    """Step-time coefficients. Defaults: Llama-3.1-8B (bf16) on one H200; see docs/benchmark.md."""
+    """Step-time and tier coefficients; the figures and their sources are in
+    data/cost_profiles.json (defaults: Llama-3.1-8B in bf16 on one H200)."""
 
     name: str = "llama3.1-8b-h200"
-    step_overhead_s: float = 1.5e-3        # scheduler, launch and sampling per step
-    prefill_s_per_token: float = 4.0e-5    # 2 x 8e9 FLOP / (790 TFLOP/s x ~0.5 MFU)
-    decode_pass_s: float = 4.2e-3          # 16 GB of weights / (4.8 TB/s x ~0.8)
-    kv_read_s_per_token: float = 3.4e-8    # 128 KiB of KV per context token / (4.8 TB/s x ~0.8)
+    step_overhead_s: float = 1.5e-3
+    prefill_s_per_token: float = 4.07e-5
+    decode_pass_s: float = 4.15e-3
+    kv_read_s_per_token: float = 3.05e-8
+    cpu_gbps: float = 25.0
+    cpu_latency_s: float = 1e-4
+    redis_gbps: float = 5.0
+    redis_latency_s: float = 1e-3
+    kv_bytes_per_token: int = 131072
+
+    @classmethod
+    def named(cls, name: str) -> CostProfile:
+        profiles = json.loads(resources.files("cachescout.bench").joinpath("data", "cost_profiles.json").read_text())
+        if name not in profiles or name.startswith("_"):
+            known = sorted(k for k in profiles if not k.startswith("_"))
+            raise ValueError(f"unknown cost profile {name!r}; choose from {', '.join(known)}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(name=name, **{k: v for k, v in profiles[name].items() if k in fields})
 
     def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         t = self.step_overhead_s + prefill_tokens * self.prefill_s_per_token
         if decode_seqs:
             t += self.decode_pass_s + context_tokens * self.kv_read_s_per_token
         return t
+
+    def load_s(self, tier: str, blocks: int, block_size: int) -> float:
+        """Seconds to bring `blocks` blocks from `tier` into GPU memory."""
+        if tier == "cpu":
+            gbps, latency = self.cpu_gbps, self.cpu_latency_s
+        else:
+            gbps, latency = self.redis_gbps, self.redis_latency_s
+        return latency + blocks * block_size * self.kv_bytes_per_token / (gbps * 1e9)
+
+    def worth_loading(self, tier: str, blocks: int, block_size: int) -> bool:
+        """A tier is read only when loading beats recomputing."""
+        return self.load_s(tier, blocks, block_size) < blocks * block_size * self.prefill_s_per_token
+
+
+class TierStore:
+    """A lower tier (LMCache's CPU memory, or Redis): LRU, written through as blocks are computed."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.keys: OrderedDict[int, None] = OrderedDict()
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.keys
+
+    def put(self, keys: Sequence[int]) -> list[int]:
+        """Store (or refresh) blocks; returns the blocks evicted to make room."""
+        store = self.keys
+        for k in keys:
+            store[k] = None
+            store.move_to_end(k)
+        dropped = []
+        while len(store) > self.capacity:
+            dropped.append(store.popitem(last=False)[0])
+        return dropped
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -54,18 +106,36 @@ class EngineConfig:
     cost: CostProfile = CostProfile()
     recompute_last_token: bool = True    # vLLM always computes a prompt's last token; off only to
                                          # compare with simulators that do not
+    cpu_blocks: int = 0                  # LMCache CPU tier, in GPU-block units (0: none)
+    redis_blocks: int = 0                # Redis tier (0: none)
 
     def __post_init__(self) -> None:
         for name in ("gpu_blocks", "block_size", "max_num_seqs", "max_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        for name in ("cpu_blocks", "redis_blocks"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
 
 
 class ReplayPolicy:
     """Eviction policy of the GPU prefix cache, and what it is told. Subclasses override."""
 
     name = "base"
+    uses_tiers = True   # vanilla vLLM (`lru`) has no LMCache tiers
+
+    def prefetch(self, engine: Engine, now: float) -> list[int]:
+        """Between steps: keys of lower-tier blocks to bring into the GPU cache, in order."""
+        return []
+
+    def prefetched(self, keys: Sequence[Hashable], now: float) -> None:
+        """Blocks that arrived by prefetch: cached and free (no request holds them yet)."""
+        self.freed(keys, now)
+
+    def backed(self, added: Sequence[Hashable], dropped: Sequence[Hashable]) -> None:
+        """The CPU tier now holds `added` and no longer holds `dropped`."""
 
     def arrived(self, req: Request, now: float) -> None:
         """A call entered the engine (vLLM's add_request)."""
@@ -93,6 +163,7 @@ class LRUPolicy(ReplayPolicy):
     """vLLM's own order: cached free blocks leave from the head of the free queue."""
 
     name = "lru"
+    uses_tiers = False
 
     def __init__(self) -> None:
         self.free: OrderedDict[Hashable, None] = OrderedDict()
@@ -113,11 +184,18 @@ class LRUPolicy(ReplayPolicy):
         return out
 
 
+class LMCacheLRUPolicy(LRUPolicy):
+    """vLLM's LRU on the GPU with LMCache's CPU and Redis tiers (LRU too)."""
+
+    name = "lmcache-lru"
+    uses_tiers = True
+
+
 @dataclasses.dataclass(eq=False, slots=True)
 class Request:
     session: Session
     index: int
-    call: Call
+    call: object                 # a workload Call or a trace record (same interface)
     issued_at: float
     tokens: list[int] | None = None  # prompt token ids (None when replaying a trace of hashes)
     hashes: list[int] = dataclasses.field(default_factory=list)     # full prompt blocks
@@ -125,7 +203,10 @@ class Request:
     prompt_len: int = 0
     computed: int = 0            # prompt tokens computed so far
     generated: int = 0
-    hit_tokens: int = 0
+    hit_tokens: int = 0          # all hits (GPU, CPU, Redis)
+    gpu_hit_tokens: int = 0
+    cpu_hit_tokens: int = 0
+    redis_hit_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
     partial_blocks: int = 0      # blocks held that are not (yet) full
@@ -163,6 +244,10 @@ class ReplayResult:
     steps: int
     preemptions: int
     evictions: int
+    load_s: float = 0.0
+    prefetch_issued: int = 0
+    prefetch_used: int = 0
+    prefetch_wasted: int = 0
 
     def summary(self) -> dict:
         reqs = [r for r in self.requests if r.finished_at is not None]
@@ -170,12 +255,21 @@ class ReplayResult:
         hit = sum(r.hit_tokens for r in reqs)
         ttft = sorted(r.first_token_at - r.issued_at for r in reqs)
         e2e = [r.finished_at - r.issued_at for r in reqs]
+        def share(tokens: int) -> float:
+            return tokens / prompt if prompt else 0.0
+
         return {
             "policy": self.policy,
             "calls": len(reqs),
             "prompt_tokens": prompt,
-            "token_hit_rate": hit / prompt if prompt else 0.0,
-            "gpu_token_hit_rate": hit / prompt if prompt else 0.0,
+            "token_hit_rate": share(hit),
+            "gpu_token_hit_rate": share(sum(r.gpu_hit_tokens for r in reqs)),
+            "cpu_token_hit_rate": share(sum(r.cpu_hit_tokens for r in reqs)),
+            "redis_token_hit_rate": share(sum(r.redis_hit_tokens for r in reqs)),
+            "tier_load_s": self.load_s,
+            "prefetched_blocks": self.prefetch_issued,
+            "prefetch_precision": (self.prefetch_used / (self.prefetch_used + self.prefetch_wasted)
+                                   if self.prefetch_used + self.prefetch_wasted else None),
             "prefill_tokens": prompt - hit,
             "ttft_mean_ms": 1e3 * sum(ttft) / len(ttft) if ttft else 0.0,
             "ttft_p50_ms": 1e3 * _pct(ttft, 0.5),
@@ -205,6 +299,33 @@ class Engine:
         self.now = 0.0
         self.evictions = 0
         self.preemptions = 0
+        tiers = policy.uses_tiers
+        self.cpu = TierStore("cpu", cfg.cpu_blocks) if tiers and cfg.cpu_blocks else None
+        self.redis = TierStore("redis", cfg.redis_blocks) if tiers and cfg.redis_blocks else None
+        self._load_s = 0.0                    # tier loads done for the step being built
+        self.load_s_total = 0.0
+        self._prefetched: set[int] = set()    # prefetched blocks not yet used or evicted
+        self.prefetch_issued = 0
+        self.prefetch_used = 0
+        self.prefetch_wasted = 0
+
+    def where(self, key: int) -> str | None:
+        """The closest tier holding a block: "gpu", "cpu", "redis" or None."""
+        if key in self.ref:
+            return "gpu"
+        if self.cpu is not None and key in self.cpu:
+            return "cpu"
+        if self.redis is not None and key in self.redis:
+            return "redis"
+        return None
+
+    def _store(self, keys: Sequence[int]) -> None:
+        """Write-through, as LMCache stores every computed block into its tiers."""
+        if self.cpu is not None and keys:
+            dropped = self.cpu.put(keys)
+            self.policy.backed(keys, dropped)
+        if self.redis is not None and keys:
+            self.redis.put(keys)
 
     # -- blocks -------------------------------------------------------------------------------
     def _take(self, n: int) -> bool:
@@ -220,6 +341,9 @@ class Engine:
             for key in victims:
                 if ref.pop(key, None) != 0:
                     raise RuntimeError(f"policy {self.policy.name} evicted a block in use or unknown")
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    self.prefetch_wasted += 1
             self.cached_free -= short
             self.empty += short
             self.evictions += short
@@ -235,6 +359,9 @@ class Engine:
             if c == 0:
                 self.cached_free -= 1
                 reused.append(k)
+                if k in self._prefetched:
+                    self._prefetched.discard(k)
+                    self.prefetch_used += 1
             ref[k] = c + 1
         return reused
 
@@ -264,6 +391,23 @@ class Engine:
         limit = (req.prompt_len - 1) // bs if self.cfg.recompute_last_token else req.prompt_len // bs
         while hit < limit and hashes[hit] in ref:
             hit += 1
+        # Past the GPU hit, the lower tiers: runs of blocks from one tier, each loaded only when
+        # that beats recomputing it; the first run that does not stops the load.
+        loads: list[tuple[str, int]] = []
+        end = hit
+        if self.cpu is not None or self.redis is not None:
+            cost = self.cfg.cost
+            while end < limit:
+                tier = self.where(hashes[end])
+                if tier not in ("cpu", "redis"):
+                    break
+                run = end
+                while run < limit and self.where(hashes[run]) == tier:
+                    run += 1
+                if not cost.worth_loading(tier, run - end, bs):
+                    break
+                loads.append((tier, run - end))
+                end = run
         held = hashes[:hit]
         reusing = sum(1 for k in held if ref[k] == 0)
         new_keys = [h for h in hashes[hit:] if h not in ref]
@@ -281,14 +425,26 @@ class Engine:
         assert ok, "room was checked above"
         for k in new_keys:
             ref[k] = 1
+        new_keys_set = set(new_keys) if end > hit else ()
         req.partial_blocks = uncached
         req.keys = held + new_keys
+        loaded = end - hit
         if not req.preempted:
-            req.hit_tokens = hit * bs
-        req.computed = hit * bs
+            req.gpu_hit_tokens = hit * bs
+            req.cpu_hit_tokens = bs * sum(n for t, n in loads if t == "cpu")
+            req.redis_hit_tokens = bs * sum(n for t, n in loads if t == "redis")
+            req.hit_tokens = req.gpu_hit_tokens + req.cpu_hit_tokens + req.redis_hit_tokens
+        req.computed = end * bs
         req.last_hash = hashes[-1] if hashes else 0
         req.running = True
         self.policy.admitted(req, req.keys, hit, self.now)
+        if loads:
+            for tier, n in loads:
+                self._load_s += self.cfg.cost.load_s(tier, n, bs)
+            if self.cpu is not None:   # a read refreshes a CPU block; a Redis hit is copied into CPU
+                read = hashes[hit:end]
+                self.policy.backed(read, self.cpu.put(read))
+        self._store([k for k in hashes[end:] if k in new_keys_set] if loaded else new_keys)
         return True
 
     def _grow(self, req: Request) -> bool:
@@ -315,6 +471,7 @@ class Engine:
                 self.ref[h] = 1
             req.keys.append(h)
             self.policy.cached(req, [h], self.now)
+            self._store([h])
         return True
 
     @staticmethod
@@ -390,7 +547,10 @@ class Engine:
                 continue
             context = sum(r.prompt_len + r.generated for r in decode)
             prefill_tokens = sum(c for _, c in prefill)
-            self.now += cfg.cost.step_s(prefill_tokens, len(decode), context)
+            step_s = cfg.cost.step_s(prefill_tokens, len(decode), context) + self._load_s
+            self.load_s_total += self._load_s
+            self._load_s = 0.0
+            self.now += step_s
             steps += 1
             # 3) apply the step
             finished: list[Request] = []
@@ -423,9 +583,9 @@ class Engine:
             for req in finished:
                 req.finished_at = self.now
                 req.running = False
+                policy.finished(req, self.now)   # as in vLLM: the connector hears it before the frees
                 self._release(req)
                 running.remove(req)
-                policy.finished(req, self.now)
                 done.append(req)
                 req.tokens = None  # free memory
                 nxt = req.index + 1
@@ -435,4 +595,35 @@ class Engine:
                     order += 1
                 if progress is not None:
                     progress(len(done), total_calls)
-        return ReplayResult(policy.name, done, self.now, steps, self.preemptions, self.evictions)
+            if self.cpu is not None or self.redis is not None:
+                self._prefetch(step_s)
+        return ReplayResult(policy.name, done, self.now, steps, self.preemptions, self.evictions,
+                            self.load_s_total, self.prefetch_issued, self.prefetch_used, self.prefetch_wasted)
+
+    def _prefetch(self, step_s: float) -> None:
+        """Background transfers the policy asks for, as much as the links carry during a step:
+        CPU -> GPU (the block joins the GPU cache, free) and Redis -> CPU."""
+        keys = self.policy.prefetch(self, self.now)
+        if not keys:
+            return
+        cost = self.cfg.cost
+        block_bytes = self.cfg.block_size * cost.kv_bytes_per_token
+        to_gpu = int(cost.cpu_gbps * 1e9 * step_s / block_bytes)
+        to_cpu = int(cost.redis_gbps * 1e9 * step_s / block_bytes)
+        arrived = []
+        for key in keys:
+            tier = self.where(key)
+            if tier == "cpu" and to_gpu > 0:
+                if not self._take(1):
+                    break
+                self.ref[key] = 0
+                self.cached_free += 1
+                self._prefetched.add(key)
+                arrived.append(key)
+                to_gpu -= 1
+            elif tier == "redis" and to_cpu > 0 and self.cpu is not None:
+                self.policy.backed([key], self.cpu.put([key]))
+                to_cpu -= 1
+        if arrived:
+            self.prefetch_issued += len(arrived)
+            self.policy.prefetched(arrived, self.now)

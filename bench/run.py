@@ -12,7 +12,7 @@ from cachescout.policy import PolicyConfig
 
 from .metrics import inference_accuracy
 from .policies import make_policy
-from .replay import Engine, EngineConfig
+from .replay import CostProfile, Engine, EngineConfig
 from .trace import export_trace, read_trace
 from .workloads import Session, WorkloadSpec, anchor_share, generate
 
@@ -31,6 +31,9 @@ class BenchOptions:
     seed: int = 1
     gpu_blocks: int | None = None       # None: calibrate to TARGET_LRU_HIT per workload
     block_size: int = 16
+    cpu_blocks: int = 0                 # LMCache CPU tier, in blocks (0: none)
+    redis_blocks: int = 0               # Redis tier, in blocks (0: none)
+    cost_profile: str = "llama3.1-8b-h200"
     policy_config: PolicyConfig = PolicyConfig()
     trace: str | None = None            # replay this trace file instead of the built-in workloads
     trace_block_size: int = 512         # block size of trace records that do not state theirs
@@ -97,7 +100,8 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         if progress:
             progress(f"{name}: sizing the GPU cache for LRU at {TARGET_LRU_HIT:.0%}")
         blocks = calibrate_gpu_blocks(sessions, block_size)
-    cfg = EngineConfig(gpu_blocks=blocks, block_size=block_size)
+    cfg = EngineConfig(gpu_blocks=blocks, block_size=block_size, cpu_blocks=opts.cpu_blocks,
+                       redis_blocks=opts.redis_blocks, cost=CostProfile.named(opts.cost_profile))
     unbounded = Engine(EngineConfig(gpu_blocks=1 << 30, block_size=block_size),
                        make_policy("lru", PolicyConfig(block_size=block_size))).run(sessions)
     bound = unbounded.summary()
@@ -135,6 +139,9 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         "calls": calls,
         "anchor_share": None,
         "gpu_blocks": blocks,
+        "cpu_blocks": opts.cpu_blocks,
+        "redis_blocks": opts.redis_blocks,
+        "cost_profile": opts.cost_profile,
         "block_size": block_size,
         "unbounded_cache_hit_rate": bound["token_hit_rate"],
         "results": results,
@@ -158,6 +165,8 @@ def format_table(report: dict) -> str:
     anchors = f"anchors {share:.0%} of prompt tokens, " if share is not None else ""
     head = (f"{report['workload']}: {report['sessions']} sessions, {report['calls']} calls, {anchors}"
             f"GPU cache {report['gpu_blocks']} blocks x {report['block_size']} tokens, "
+            + (f"CPU {report['cpu_blocks']}, Redis {report['redis_blocks']} blocks, "
+               if report.get("cpu_blocks") or report.get("redis_blocks") else "") +
             f"unbounded-cache hit rate {report['unbounded_cache_hit_rate']:.3f}")
     if "trace" in report and report["trace"]["skipped"]:
         head += f"\n  ({report['trace']['skipped']} malformed trace lines skipped, e.g. {report['trace']['errors'][0]})"

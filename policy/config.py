@@ -77,6 +77,8 @@ class PolicyConfig:
     prefetch_max_actions: int = _setting(4, "prefetch actions planned per step", lo=0, hi=1_000_000)
     prefetch_max_inflight_bytes: int = _setting(
         2 * 1024**3, "bytes of prefetch allowed in flight", lo=0, hi=2**62)
+    prefetch_lead_s: float = _setting(
+        0.5, "how long before a session's expected next call its context is prefetched", lo=0)
 
     # Rebuild cost (defaults: Llama-3.1-8B on one H200; see docs/architecture.md).
     kv_bytes_per_token: int = _setting(131072, "KV-cache bytes per token of the served model", lo=1, hi=2**40)

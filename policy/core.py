@@ -98,6 +98,9 @@ class CacheScoutPolicy:
         self._next_hint: dict[Hashable, str] = {}  # session -> agent it will call next (hinted)
         self._pending: deque = deque()
         self._gap_samples = 0
+        # Session -> agent -> block keys of its latest prompt (and output) under that agent: what
+        # its next call to that agent reuses, for context prefetch.
+        self._context_keys: dict[Hashable, dict[str, list]] = {}
         self._max_pending = max_pending
         self.stats: Counter[str] = Counter()
 
@@ -197,6 +200,7 @@ class CacheScoutPolicy:
     def _expire(self, now: float) -> None:
         for s in self.sessions.expire(now, self.scorer.step_s if self._gap_samples >= 32 else None):
             self._next_hint.pop(s.sid, None)
+            self._context_keys.pop(s.sid, None)
             if s.agent is not None:
                 self.learner.update(s.agent, END)
 
@@ -231,6 +235,8 @@ class CacheScoutPolicy:
             for key in block_keys[max(lo, num_cached):hi]:
                 index.add(key, group)
         index.acquire(block_keys[:num_cached])
+        if live.obs.agent is not None:
+            self._context_keys.setdefault(live.obs.session, {})[live.obs.agent] = list(block_keys)
 
     def extend_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable]) -> None:
         """Blocks the request filled while decoding (its output): filed with its context."""
@@ -240,6 +246,10 @@ class CacheScoutPolicy:
             self.index.add(key, group)
         self.guard.filled(block_keys)
         self._track_capacity()
+        if live is not None and live.obs.agent is not None:
+            keys = self._context_keys.get(live.obs.session, {}).get(live.obs.agent)
+            if keys is not None:
+                keys.extend(block_keys)
 
     def _groups_for(self, obs: Observation) -> tuple[Group | None, Group | None, Group]:
         fp = obs.fingerprint
@@ -251,6 +261,21 @@ class CacheScoutPolicy:
         ctx = index.group(("ctx", obs.session, obs.agent), "context", agent=obs.agent, session=obs.session,
                           parent=anc or pre)
         return pre, anc, ctx
+
+    def blocks_prefetched(self, keys: Sequence[Hashable], agent: str | None, now: float | None = None,
+                          session: Hashable | None = None) -> None:
+        """Blocks a prefetch brought into this tier (cached and free): `agent`'s anchor, or with
+        `session` that session's context under `agent`. Blocks already filed keep their group."""
+        group = None
+        if session is not None:
+            group = self.index.get_group(("ctx", session, agent))
+        elif agent is not None:
+            rec = self.fingerprints.agent({v: k for k, v in self._aliases.items()}.get(agent, agent))
+            if rec is not None and rec.anchor_node:
+                group = self.index.get_group(("anchor", agent, rec.anchor_node))
+        for key in keys:
+            self.index.add(key, group)
+        self.index.release(keys, self.clock() if now is None else now)
 
     def blocks_freed(self, keys: Sequence[Hashable], now: float | None = None) -> None:
         """Blocks whose reference count dropped to zero (still cached, now evictable)."""
@@ -295,8 +320,10 @@ class CacheScoutPolicy:
     def confidence(self) -> float:
         return self.scorer.confidence()
 
-    def plan_prefetch(self, locate: Locate, inflight_bytes: int = 0) -> list[PrefetchAction]:
-        """Prefetch actions for the anchors the next calls most likely need (see prefetch.py)."""
+    def plan_prefetch(self, locate: Locate, inflight_bytes: int = 0, now: float | None = None) -> list[PrefetchAction]:
+        """Prefetch actions for the anchors and session contexts the next calls most likely need
+        (see prefetch.py)."""
+        now = self.clock() if now is None else now
         probs = self.scorer.next_call_probabilities()
         for nxt in self._next_hint.values():
             probs[nxt] = (1.0, 1.0)   # the framework said so
@@ -306,6 +333,27 @@ class CacheScoutPolicy:
             rec = self.fingerprints.agent(inverse.get(agent, agent))
             if rec is not None and rec.anchor_blocks:
                 candidates.append(PrefetchCandidate(agent, p, rec.anchor_path, conf))
+        # Contexts: a session about to call again will reuse its context under its next agent.
+        link = self.scorer.session_links()
+        self.scorer.score(self.index, self._next_hint, self.guard.trust, now)
+        # A context prefetched from the CPU tier saves only its load time, while the block it
+        # displaces may cost a recompute: prefetch into room that is predicted dead only.
+        victim = self.index.next_victim_group(now) if self.index.n_free else None
+        room = victim is None or (victim.conf > 0 and victim.model >= self.scorer.dead_model - 1e-9)
+        for s in self.sessions:
+            contexts = self._context_keys.get(s.sid)
+            if not contexts or s.agent is None or s.in_flight:
+                continue
+            t_next, alive = self.scorer.next_call_in(s, now)
+            if t_next > self.cfg.prefetch_lead_s or alive < 0.5:
+                continue
+            hinted = self._next_hint.get(s.sid)
+            reach, conf = self.scorer.row(s.agent)
+            for agent, keys in contexts.items():
+                p = 1.0 if hinted == agent else self.learner.probability(s.agent, agent) * alive
+                c = 1.0 if hinted == agent else conf * link
+                if p >= self.cfg.prefetch_min_probability and room:
+                    candidates.append(PrefetchCandidate(agent, p, keys, c, s.sid))
         return self.planner.plan(candidates, locate, inflight_bytes)
 
     def predict_next(self, agent: str) -> list[tuple[str, float]]:

@@ -221,6 +221,16 @@ class EvictionIndex:
                 heapq.heappush(heap, self._entry(b.group, nxt, now))
         return out
 
+    def next_victim_group(self, now: float) -> Group | None:
+        """The group the next victim would come from (None when nothing is free). O(groups)."""
+        best, best_key = None, None
+        for g in self._groups.values():
+            if g.head is not None:
+                key = -self._entry(g, g.head, now)[0]
+                if best_key is None or key > best_key:
+                    best, best_key = g, key
+        return best
+
     def evict(self, n: int, now: float) -> list[Hashable]:
         """Remove and return the next `n` victims (the same ones `victims` names)."""
         return [b.key for b in self.evict_blocks(n, now)]

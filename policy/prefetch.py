@@ -1,12 +1,15 @@
-"""Prefetch planning: bring the anchors the next calls will most likely need closer to the GPU.
+"""Prefetch planning: bring the anchors and contexts the next calls will most likely need closer to
+the GPU.
 
-Runs between requests, never on the serving path. Candidates are agents whose probability of being
-called next by at least one live session clears `prefetch_min_probability`, predicted by rows whose
-confidence clears `prefetch_min_confidence`. For each, the planner looks at where the anchor's blocks are:
-blocks in the CPU tier are planned CPU -> GPU, blocks only in Redis are planned Redis -> CPU (one tier
-closer; a later step moves them on). Only the leading run of blocks present somewhere is considered,
-since a prefix hit stops at the first block that is nowhere. An anchor whose CPU -> GPU load (the one
-the request would wait for) is slower than recomputing it is skipped, and the plan stays within the
+Runs between requests, never on the serving path. Candidates are agents' anchors whose probability
+of being called next by at least one live session clears `prefetch_min_probability`, and the
+contexts that sessions expected to call within `prefetch_lead_s` will reuse (their next agent is
+likely enough, and the room they take is predicted dead); both predicted by rows whose confidence
+clears `prefetch_min_confidence`. For each, the planner looks at where the blocks are: blocks in the
+CPU tier are planned CPU -> GPU, blocks only in Redis are planned Redis -> CPU (one tier closer; a
+later step moves them on). Only the leading run of blocks present somewhere is considered, since a
+prefix hit stops at the first block that is nowhere. A candidate whose CPU -> GPU load (the one the
+request would wait for) is slower than recomputing it is skipped, and the plan stays within the
 in-flight byte budget and the per-step action limit.
 """
 
@@ -25,13 +28,15 @@ Locate = Callable[[Hashable], "str | None"]  # block key -> "gpu", "cpu", "redis
 class PrefetchCandidate:
     agent: str
     probability: float          # P(the agent is called next by some session)
-    anchor_keys: Sequence[Hashable]
+    anchor_keys: Sequence[Hashable]  # the blocks to bring closer, in prompt order
     confidence: float = 1.0     # of the rows behind `probability`
+    session: Hashable | None = None  # set for a session's context (else: the agent's anchor)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrefetchAction:
     agent: str
+    session: Hashable | None    # whose context (None: the agent's anchor)
     src: str                    # "cpu" or "redis"
     dst: str                    # "gpu" or "cpu"
     keys: tuple[Hashable, ...]  # blocks to move, in prompt order
@@ -77,7 +82,7 @@ class PrefetchPlanner:
                 if size > budget or not self.cost.worth_loading("cpu", len(keys)):
                     continue
                 budget -= size
-                actions.append(PrefetchAction(cand.agent, src, dst, tuple(keys), cand.probability, size,
+                actions.append(PrefetchAction(cand.agent, cand.session, src, dst, tuple(keys), cand.probability, size,
                                               self.cost.load_s(src, len(keys)),
                                               len(keys) * self.cost.recompute_s))
             if len(actions) >= cfg.prefetch_max_actions:

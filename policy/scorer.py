@@ -82,6 +82,11 @@ class SurvivalScorer:
         self._arrivals += 1.0
 
     @property
+    def dead_model(self) -> float:
+        """The `model` value of a group predicted never to be used again."""
+        return -math.log(_RATE_FLOOR)
+
+    @property
     def new_session_rate(self) -> float:
         """Sessions starting per second, recently."""
         return self._arrivals / self._elapsed if self._elapsed > 0 else 0.0

@@ -1,0 +1,241 @@
+"""Published competitors, as the benchmark models them (our reading of the papers).
+
+- Continuum (KV-cache time-to-live for multi-turn agents): when a call ends and the workflow goes
+  off to run a tool, its KV stays pinned in GPU memory for a time-to-live, so the session's next
+  call finds it; the TTL follows how long that agent's tool calls usually take, and pinning is
+  bounded. Otherwise vLLM's LRU. It is given the true agent of every call. Continuum weighs a pin's
+  cost against its benefit; we read that charitably: an agent's calls are pinned only while at least
+  half of that agent's recent pins were reused before they expired (in a supervisor workflow the
+  next call usually goes to another agent, whose prefix differs).
+- KVFlow (workflow-aware KV cache management): every cached agent prefix and session context gets
+  an eviction priority from its agent's steps-to-execution in the workflow's agent step graph, and
+  the agents about to run have their KV prefetched from CPU to GPU. It is given an oracle: the true
+  graph (transition frequencies measured over the whole workload), true agents, true sessions and
+  where each agent's anchor ends.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import OrderedDict, defaultdict
+from collections.abc import Hashable, Sequence
+
+from cachescout.policy import EvictionIndex
+
+from .replay import ReplayPolicy, Request, call_keys
+from .workloads import Session
+
+_EMA = 0.1
+
+
+class ContinuumPolicy(ReplayPolicy):
+    name = "continuum"
+
+    def __init__(self, ttl_factor: float = 2.0, max_ttl_s: float = 10.0, max_pinned_share: float = 0.25) -> None:
+        self.free: OrderedDict[Hashable, None] = OrderedDict()   # unpinned free blocks, LRU first
+        self.pinned: dict[Hashable, float] = {}                  # pinned free blocks -> expiry
+        self._expiries: list[tuple[float, Hashable]] = []
+        self._pin_on_free: dict[Hashable, float] = {}
+        self._gap: dict[str, float] = {}                         # agent -> typical gap after its calls
+        self._ended: dict[str, tuple[str, float]] = {}           # session -> (agent, end time)
+        self.ttl_factor = ttl_factor
+        self.max_ttl_s = max_ttl_s
+        self.max_pinned_share = max_pinned_share
+        self._pin_agent: dict[Hashable, str] = {}                # pinned block -> agent that pinned it
+        self._paid: dict[str, float] = {}                        # agent -> share of pins reused (EMA)
+
+    def arrived(self, req: Request, now: float) -> None:
+        last = self._ended.pop(req.session.session_id, None)
+        if last is not None:
+            agent, t = last
+            old = self._gap.get(agent)
+            gap = now - t
+            self._gap[agent] = gap if old is None else old + _EMA * (gap - old)
+
+    def finished(self, req: Request, now: float) -> None:
+        # Runs before the request's blocks are freed (as vLLM's request_finished does).
+        self._ended[req.session.session_id] = (req.agent, now)
+        gap = self._gap.get(req.agent)
+        if gap is None or gap > self.max_ttl_s or self._paid.get(req.agent, 1.0) < 0.5:
+            return                       # no record yet, tool calls too long, or pins do not pay
+        tracked = len(self.free) + len(self.pinned) + 1
+        if len(self.pinned) >= self.max_pinned_share * tracked:
+            return
+        expiry = now + min(self.ttl_factor * gap, self.max_ttl_s)
+        for k in req.keys:
+            self._pin_on_free[k] = expiry
+            self._pin_agent[k] = req.agent
+
+    def freed(self, keys: Sequence[Hashable], now: float) -> None:
+        for k in keys:
+            expiry = self._pin_on_free.pop(k, 0.0)
+            if expiry > now:
+                self.pinned[k] = expiry
+                heapq.heappush(self._expiries, (expiry, k))
+            else:
+                self.free[k] = None
+
+    def reused(self, keys: Sequence[Hashable], now: float) -> None:
+        for k in keys:
+            if k in self.free:
+                del self.free[k]
+            elif self.pinned.pop(k, None) is not None:
+                self._outcome(k, reused=True)
+
+    def evict(self, n: int, now: float) -> list[Hashable]:
+        # Expired pins join the LRU order at its old end (they were freed a while ago).
+        heap = self._expiries
+        while heap and heap[0][0] <= now:
+            expiry, k = heapq.heappop(heap)
+            if self.pinned.get(k) == expiry:
+                del self.pinned[k]
+                self._outcome(k, reused=False)
+                self.free[k] = None
+                self.free.move_to_end(k, last=False)
+        out = []
+        while self.free and len(out) < n:
+            out.append(self.free.popitem(last=False)[0])
+        while heap and len(out) < n:     # nothing unpinned left: the pin that expires first goes
+            expiry, k = heapq.heappop(heap)
+            if self.pinned.get(k) == expiry:
+                del self.pinned[k]
+                self._outcome(k, reused=False)
+                out.append(k)
+        return out
+
+    def _outcome(self, key: Hashable, reused: bool) -> None:
+        agent = self._pin_agent.pop(key, None)
+        if agent is not None:
+            old = self._paid.get(agent, 1.0)
+            self._paid[agent] = old + 0.02 * ((1.0 if reused else 0.0) - old)
+
+
+class KVFlowPolicy(ReplayPolicy):
+    name = "kvflow"
+    _END = "<end>"
+    _HORIZON = 8      # steps looked ahead; farther is "never"
+
+    def __init__(self, sessions: Sequence[Session], block_size: int) -> None:
+        counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        keys_by_agent: dict[str, list[list[int]]] = defaultdict(list)
+        for s in sessions:
+            agents = [c.agent for c in s.calls]
+            for a, b in zip(agents, agents[1:] + [self._END], strict=True):
+                counts[a][b] += 1
+            for c in s.calls[:50]:
+                if len(keys_by_agent[c.agent]) < 50:
+                    keys_by_agent[c.agent].append(call_keys(c, block_size))
+        self.graph = {a: {b: n / sum(row.values()) for b, n in row.items()} for a, row in counts.items()}
+        self.anchor = {a: _common_prefix(ks) for a, ks in keys_by_agent.items()}
+        self.steps = {a: self._steps_from(a) for a in self.graph}
+        self.index = EvictionIndex()
+        self.current: dict[str, str] = {}        # live session -> agent of its latest call
+        self._dirty = True
+        self._planned_at = -1.0
+        self._agent_of: dict[Hashable, str] = {}
+
+    def _steps_from(self, src: str) -> dict[str, int]:
+        """Steps until each agent runs, from `src`: the first step at which it is reached with
+        probability at least 0.3 (first passage over the true graph)."""
+        out: dict[str, int] = {}
+        dist = {src: 1.0}
+        for k in range(1, self._HORIZON + 1):
+            nxt: dict[str, float] = defaultdict(float)
+            for a, p in dist.items():
+                for b, q in self.graph.get(a, {}).items():
+                    nxt[b] += p * q
+            for b, p in nxt.items():
+                if b != self._END and b not in out and p >= 0.3:
+                    out[b] = k
+            dist = {b: p for b, p in nxt.items() if b != self._END}
+        return out
+
+    def _group(self, req: Request, position: int):
+        agent, sid = req.agent, req.session.session_id
+        if position < len(self.anchor.get(agent, ())):
+            return self.index.group(("anchor", agent), "anchor", agent=agent)
+        return self.index.group(("ctx", sid, agent), "context", agent=agent, session=sid)
+
+    def arrived(self, req: Request, now: float) -> None:
+        self.current[req.session.session_id] = req.agent
+        self._dirty = True
+
+    def finished(self, req: Request, now: float) -> None:
+        if req.index == len(req.session.calls) - 1:     # the oracle knows the session is over
+            self.current.pop(req.session.session_id, None)
+            self._dirty = True
+
+    def admitted(self, req: Request, keys: Sequence[Hashable], num_cached: int, now: float) -> None:
+        for i, key in enumerate(keys):
+            self.index.add(key, self._group(req, i))
+        self.index.acquire(keys[:num_cached])
+
+    def cached(self, req: Request, keys: Sequence[Hashable], now: float) -> None:
+        for key in keys:
+            self.index.add(key, self._group(req, 1 << 30))
+
+    def reused(self, keys: Sequence[Hashable], now: float) -> None:
+        self.index.acquire(keys)
+
+    def freed(self, keys: Sequence[Hashable], now: float) -> None:
+        self.index.release(keys, now)
+
+    def prefetched(self, keys: Sequence[Hashable], now: float) -> None:
+        for key in keys:
+            agent = self._agent_of.pop(key, None)
+            self.index.add(key, self.index.group(("anchor", agent), "anchor", agent=agent) if agent else None)
+        self.index.release(keys, now)
+
+    def _rescore(self) -> None:
+        anchor_steps: dict[str, int] = {}
+        for agent in self.current.values():
+            for b, k in self.steps.get(agent, {}).items():
+                if k < anchor_steps.get(b, self._HORIZON + 1):
+                    anchor_steps[b] = k
+        never = self._HORIZON + 1
+        for g in self.index.groups():
+            if g.kind == "anchor":
+                steps = anchor_steps.get(g.agent, never)
+            elif g.kind == "context":
+                agent = self.current.get(g.session)
+                steps = never if agent is None else self.steps.get(agent, {}).get(g.agent, never)
+            else:
+                g.conf = 0.0
+                continue
+            g.model, g.conf = math.log(steps + 1.0), 1.0   # farther from execution: evicted first
+        self.index.scores_changed()
+        self._dirty = False
+
+    def evict(self, n: int, now: float) -> list[Hashable]:
+        if self._dirty:
+            self._rescore()
+        return self.index.evict(n, now)
+
+    def prefetch(self, engine, now: float) -> list[Hashable]:
+        if now - self._planned_at < 0.1:
+            return []
+        self._planned_at = now
+        nxt = {b for agent in self.current.values() for b, k in self.steps.get(agent, {}).items() if k == 1}
+        keys: list[Hashable] = []
+        self._agent_of = {}
+        for agent in sorted(nxt):
+            for key in self.anchor.get(agent, ()):
+                where = engine.where(key)
+                if where is None:
+                    break                # a prefix hit cannot reach past a block that is nowhere
+                if where != "gpu":
+                    keys.append(key)
+                    self._agent_of[key] = agent
+        return keys
+
+
+def _common_prefix(seqs: Sequence[Sequence[int]]) -> list[int]:
+    if not seqs:
+        return []
+    first = seqs[0]
+    n = min(len(s) for s in seqs)
+    for i in range(n):
+        if any(s[i] != first[i] for s in seqs):
+            return list(first[:i])
+    return list(first[:n])
