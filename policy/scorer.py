@@ -185,17 +185,16 @@ class SurvivalScorer:
         """
         # Scores follow sessions and time; recomputing them every `rescore_interval_s` is enough
         # (groups created in between keep LRU order until then).
-        trust = round(trust, 2)
         interval = self.cfg.rescore_interval_s
-        tick = int(now / interval) if interval > 0 else now
-        stamp = (self.learner.version // self.cfg.model_refresh_interval, trust, tick)
+        stamp = (self.learner.version // self.cfg.model_refresh_interval, round(trust, 2),
+                 int(now / interval) if interval > 0 else now)
         if stamp == self._scored_at:
             return
         self._scored_at = stamp
         step = max(self.step_s, 1e-3)
-        # Per live session: expected time to its next call, whether it is still going, and the rate
-        # at which it will use each agent.
-        per_session: dict[object, dict[str, float]] = {}
+        # Per live session: expected time to its next call and whether it is still going; its use
+        # rate for agent x is alive * P(x within the horizon) / (time to the call that uses x).
+        per_session: dict[object, tuple[float, float, dict[str, float], dict[str, float], str | None]] = {}
         anchor_rate: dict[str, float] = {}
         num = den = 0.0
         for s in self.sessions:
@@ -203,13 +202,12 @@ class SurvivalScorer:
                 continue
             _, reach, conf, extra = self._row(s.agent)
             t_next, alive = self.next_call_in(s, now)
-            rates = {x: alive * p / (t_next + extra.get(x, 0.0) * step) for x, p in reach.items()}
             nxt = overrides.get(s.sid) if overrides else None
+            per_session[s.sid] = (t_next, alive, reach, extra, nxt)
+            for x, p in reach.items():
+                anchor_rate[x] = anchor_rate.get(x, 0.0) + alive * p / (t_next + extra.get(x, 0.0) * step)
             if nxt is not None:
-                rates[nxt] = max(rates.get(nxt, 0.0), alive / t_next)   # the framework said so
-            per_session[s.sid] = rates
-            for x, r in rates.items():
-                anchor_rate[x] = anchor_rate.get(x, 0.0) + r
+                anchor_rate[nxt] = anchor_rate.get(nxt, 0.0) + alive / t_next   # the framework said so
             num += alive * conf
             den += alive
         new_rate = self.new_session_rate
@@ -239,7 +237,15 @@ class SurvivalScorer:
                 elif s.agent is None or g.agent is None:
                     rate, conf = 0.0, 0.0                  # nothing known: LRU
                 else:
-                    rate = per_session.get(g.session, {}).get(g.agent, 0.0)
+                    got = per_session.get(g.session)
+                    if got is None:
+                        rate = 0.0
+                    else:
+                        t_next, alive, reach, extra, nxt = got
+                        p = reach.get(g.agent, 0.0)
+                        rate = alive * p / (t_next + extra.get(g.agent, 0.0) * step) if p else 0.0
+                        if nxt == g.agent:
+                            rate = max(rate, alive / t_next)
                     conf = row_conf.get(s.agent)
                     if conf is None:
                         conf = row_conf[s.agent] = self._row(s.agent)[2] * link
