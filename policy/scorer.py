@@ -228,7 +228,10 @@ class SurvivalScorer:
         row_conf = {}
         anchors = []
         preambles = []
-        for g in index.groups():
+        # Only groups with free blocks can give victims; the others keep their last scores until
+        # the next rescoring after their blocks are freed.
+        free_groups = [g for g in index.groups() if g.n_free]
+        for g in free_groups:
             kind = g.kind
             if kind == "context":
                 s = self.sessions.get(g.session)
@@ -268,7 +271,7 @@ class SurvivalScorer:
             g.model = -math.log(rate) if rate > _RATE_FLOOR else floor
             g.conf = conf * trust
         # A prefix is needed whenever anything below it is: parents never look colder than children.
-        for g in index.groups():
+        for g in free_groups:
             if g.kind == "context" and g.parent is not None and g.model < g.parent.model:
                 g.parent.model = g.model
         for g in anchors:
