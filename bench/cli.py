@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -41,6 +42,12 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--export-trace", default=None, metavar="DIR",
                    help="write each built-in workload's calls to DIR/<workload>.jsonl")
     b.add_argument("--json", default="results.json", help="where to write results (default results.json)")
+    b.add_argument("--plots", default="results.png", help="where to write the PNG plots (default results.png)")
+    b.add_argument("--no-sweeps", action="store_true", help="skip the cache-size and load sweeps (and the plots)")
+    b.add_argument("--ttft-budget-ms", type=float, default=1000.0,
+                   help="p99 TTFT budget for the load sustained (default 1000)")
+    b.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+                   help="workloads replayed in parallel processes (default: the CPU count, at most 4)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p
 
@@ -76,14 +83,16 @@ def _bench(args: argparse.Namespace) -> int:
                         gpu_blocks=args.gpu_blocks, block_size=args.block_size, trace=args.trace,
                         trace_block_size=args.trace_block_size, strict_trace=args.strict_trace,
                         export_trace=args.export_trace, cpu_blocks=args.cpu_blocks,
-                        redis_blocks=args.redis_blocks, cost_profile=args.cost_profile)
+                        redis_blocks=args.redis_blocks, cost_profile=args.cost_profile,
+                        sweeps=not args.no_sweeps, ttft_budget_ms=args.ttft_budget_ms,
+                        plots=None if args.no_sweeps else args.plots, jobs=max(1, args.jobs))
     progress = None if args.quiet else _progress_line
     report = run(opts, progress)
     if not args.quiet:
         sys.stderr.write("\r\033[K")
     with open(args.json, "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=1)
-    print(f"wrote {args.json}")
+    print(f"wrote {args.json}" + ("" if args.no_sweeps else f" and {args.plots}"))
     return 0
 
 

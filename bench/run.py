@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import sys
 import time
@@ -13,6 +14,7 @@ from cachescout.policy import PolicyConfig
 from .metrics import inference_accuracy
 from .policies import make_policy
 from .replay import CostProfile, Engine, EngineConfig
+from .sweep import CACHE_FACTORS, LOAD_FACTORS, SWEEP_POLICIES, cache_sweep, load_sweep, plot
 from .trace import export_trace, read_trace
 from .workloads import Session, WorkloadSpec, anchor_share, generate
 
@@ -35,6 +37,10 @@ class BenchOptions:
     redis_blocks: int = 0               # Redis tier, in blocks (0: none)
     cost_profile: str = "llama3.1-8b-h200"
     policy_config: PolicyConfig = PolicyConfig()
+    sweeps: bool = True                 # cache-size and load sweeps (for the plots)
+    ttft_budget_ms: float = 1000.0      # p99 TTFT budget for "load sustained"
+    plots: str | None = None            # write the PNG here
+    jobs: int = 1                       # workloads replayed in parallel processes
     trace: str | None = None            # replay this trace file instead of the built-in workloads
     trace_block_size: int = 512         # block size of trace records that do not state theirs
     strict_trace: bool = False          # reject a trace with a malformed line (else skip it)
@@ -124,6 +130,27 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         if observations is not None and labelled:
             summary.update(inference_accuracy(observations, warmup=min(200, calls // 10)))
         results.append(summary)
+    known = {r["policy"]: r for r in results}
+    sweeps = {}
+    if opts.sweeps:
+        swept = [p for p in SWEEP_POLICIES if p in opts.policies]
+        total = len(swept) * (len(CACHE_FACTORS) + len(LOAD_FACTORS))
+        done = [0]
+
+        def tick() -> None:
+            done[0] += 1
+            if progress:
+                progress(f"{name}: sweeps {done[0]}/{total}")
+        base_rate = opts.rate if opts.trace is None else None
+        sweeps["cache_sweep"] = cache_sweep(sessions, cfg, policy_cfg, swept, known=known, tick=tick)
+        if base_rate is not None:
+            sweeps["load_sweep"] = load_sweep(sessions, cfg, policy_cfg, base_rate, swept,
+                                              ttft_budget_ms=opts.ttft_budget_ms, known=known, tick=tick)
+            for r in results:
+                got = sweeps["load_sweep"].get(r["policy"])
+                if got:
+                    r["throughput_at_saturation_calls_per_s"] = got["throughput_at_saturation_calls_per_s"]
+                    r["max_load_within_ttft_budget_sessions_per_s"] = got["max_load_within_ttft_budget_sessions_per_s"]
     lru = next((r for r in results if r["policy"] == "lru"), None)
     oracle = next((r for r in results if r["policy"] == "oracle"), None)
     for r in results:
@@ -145,6 +172,7 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         "block_size": block_size,
         "unbounded_cache_hit_rate": bound["token_hit_rate"],
         "results": results,
+        **sweeps,
     }
 
 
@@ -170,14 +198,17 @@ def format_table(report: dict) -> str:
             f"unbounded-cache hit rate {report['unbounded_cache_hit_rate']:.3f}")
     if "trace" in report and report["trace"]["skipped"]:
         head += f"\n  ({report['trace']['skipped']} malformed trace lines skipped, e.g. {report['trace']['errors'][0]})"
-    cols = ("policy", "hit", "prefill tok", "TTFT mean", "TTFT p99", "vs LRU", "gap closed", "agents", "sessions",
-            "next-agent")
+    cols = ("policy", "hit", "prefill tok", "TTFT mean", "TTFT p99", "vs LRU", "gap closed", "load@TTFT",
+            "agents", "sessions", "next-agent")
     rows = [cols]
     for r in report["results"]:
         rows.append((
             r["policy"], f"{r['token_hit_rate']:.3f}", f"{r['prefill_tokens']:,}", f"{r['ttft_mean_ms']:.0f} ms",
             f"{r['ttft_p99_ms']:.0f} ms", f"{r.get('ttft_mean_vs_lru', 0.0):+.0%}",
             f"{r['oracle_gap_closed']:.0%}" if "oracle_gap_closed" in r else "-",
+            (f"{r['max_load_within_ttft_budget_sessions_per_s']:g}/s"
+             if r.get("max_load_within_ttft_budget_sessions_per_s") is not None
+             else ("<" if "max_load_within_ttft_budget_sessions_per_s" in r else "-")),
             f"{r['agent_accuracy']:.3f}" if "agent_accuracy" in r else "-",
             f"{r['session_continuity']:.3f}" if "session_continuity" in r else "-",
             f"{r['prediction_accuracy']:.3f}" if "prediction_accuracy" in r else "-"))
@@ -196,10 +227,24 @@ def run(opts: BenchOptions, progress: Progress | None = None, out=sys.stdout) ->
     if opts.trace:
         reports.append(run_trace(opts, progress))
         print(format_table(reports[-1]) + "\n", file=out, flush=True)
-    for family in () if opts.trace else opts.families:
-        report = run_workload(family, opts, progress)
-        reports.append(report)
-        print(format_table(report) + "\n", file=out, flush=True)
+    families = [] if opts.trace else list(opts.families)
+    if opts.jobs > 1 and len(families) > 1:
+        # Workloads are independent and every replay is deterministic: run them side by side.
+        with concurrent.futures.ProcessPoolExecutor(max_workers=min(opts.jobs, len(families))) as pool:
+            futures = [pool.submit(run_workload, family, opts, None) for family in families]
+            for i, future in enumerate(futures):
+                if progress:
+                    progress(f"{families[i]}: running ({i}/{len(families)} workloads done)")
+                report = future.result()
+                reports.append(report)
+                print(format_table(report) + "\n", file=out, flush=True)
+    else:
+        for family in families:
+            report = run_workload(family, opts, progress)
+            reports.append(report)
+            print(format_table(report) + "\n", file=out, flush=True)
+    if opts.plots:
+        plot(reports, opts.plots)
     return {
         "semantics": "token-weighted prefix hits under vLLM block semantics (full blocks, chained hashes, "
                      "last prompt token always recomputed); TTFT on a virtual clock from the cost model",
