@@ -43,8 +43,8 @@ def cache_sweep(sessions: Sequence[Session], cfg: EngineConfig, policy_cfg: Poli
                 hit = known[p]["token_hit_rate"]
             else:
                 try:
-                    result = Engine(dataclasses.replace(cfg, gpu_blocks=blocks),
-                                    make_policy(p, policy_cfg, sessions)).run(sessions, max_preemptions=len(sessions) * 20)
+                    engine = Engine(dataclasses.replace(cfg, gpu_blocks=blocks), make_policy(p, policy_cfg, sessions))
+                    result = engine.run(sessions, max_preemptions=len(sessions) * 20)
                     hit = result.summary()["token_hit_rate"]
                 except RuntimeError:      # too small to hold a request, or thrashing
                     hit = None
