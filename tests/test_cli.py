@@ -1,0 +1,45 @@
+import json
+
+import pytest
+
+from cachescout.bench.cli import main
+
+
+def test_bench_writes_results_and_plots(tmp_path, capsys):
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    rc = main(["bench", "--workloads", "gaia", "--sessions", "30", "--gpu-blocks", "1500", "--jobs", "1",
+               "--policies", "lru,cachescout,oracle", "--json", str(out), "--plots", str(png), "--quiet"])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    (workload,) = report["workloads"]
+    assert workload["workload"] == "gaia" and workload["gpu_blocks"] == 1500
+    for r in workload["results"]:
+        for key in ("policy", "token_hit_rate", "gpu_token_hit_rate", "prefill_tokens", "ttft_mean_ms",
+                    "ttft_p99_ms", "throughput_at_saturation_calls_per_s"):
+            assert key in r, key
+    assert set(workload["cache_sweep"]) == {"lru", "cachescout", "oracle"}
+    assert png.stat().st_size > 10_000
+    assert "gaia: 30 sessions" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--policies", "lru,belady"], "unknown policy 'belady'"),
+    (["--workloads", "chat"], "unknown workload 'chat'"),
+    (["--routing", "zigzag"], "--routing must be one of"),
+    (["--cost-profile", "a100"], "unknown cost profile 'a100'"),
+    (["--cpu-blocks", "-1"], "--cpu-blocks"),
+    (["--trace", "/nonexistent/t.jsonl"], "No such file"),
+])
+def test_bad_arguments_fail_with_one_line(args, needle, capsys):
+    assert main(["bench", "--quiet", "--no-sweeps", *args]) in (1, 2)
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
+
+
+def test_help_does_not_import_vllm():
+    import subprocess
+    import sys
+    code = "import sys; from cachescout.bench.cli import main\ntry: main(['--help'])\nexcept SystemExit: pass\n" \
+           "print('vllm' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().endswith("False False")
