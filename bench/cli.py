@@ -33,6 +33,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--cpu-blocks", type=int, default=0,
                    help="LMCache CPU tier size in blocks for every policy but lru (default 0: none)")
     b.add_argument("--redis-blocks", type=int, default=0, help="Redis tier size in blocks (default 0: none)")
+    b.add_argument("--cpu-ratio", type=float, default=0.0,
+                   help="CPU tier as a multiple of each workload's GPU cache (instead of --cpu-blocks)")
+    b.add_argument("--redis-ratio", type=float, default=0.0, help="Redis tier as a multiple of the GPU cache")
     b.add_argument("--cost-profile", default="llama3.1-8b-h200",
                    help="step-time profile from bench/data/cost_profiles.json (default llama3.1-8b-h200)")
     b.add_argument("--trace", default=None, help="replay this JSONL trace (.jsonl or .jsonl.gz) instead")
@@ -71,8 +74,8 @@ def _bench(args: argparse.Namespace) -> int:
     if (args.sessions < 1 or args.rate <= 0 or args.block_size < 1
             or (args.gpu_blocks is not None and args.gpu_blocks < 1)):
         raise ValueError("--sessions, --rate, --block-size and --gpu-blocks must be positive")
-    if args.cpu_blocks < 0 or args.redis_blocks < 0:
-        raise ValueError("--cpu-blocks and --redis-blocks must be >= 0")
+    if min(args.cpu_blocks, args.redis_blocks, args.cpu_ratio, args.redis_ratio) < 0:
+        raise ValueError("--cpu-blocks, --redis-blocks, --cpu-ratio and --redis-ratio must be >= 0")
     CostProfile.named(args.cost_profile)   # an unknown name fails here, listing the known ones
     if args.trace_block_size < 1:
         raise ValueError("--trace-block-size must be a positive integer")
@@ -83,7 +86,8 @@ def _bench(args: argparse.Namespace) -> int:
                         gpu_blocks=args.gpu_blocks, block_size=args.block_size, trace=args.trace,
                         trace_block_size=args.trace_block_size, strict_trace=args.strict_trace,
                         export_trace=args.export_trace, cpu_blocks=args.cpu_blocks,
-                        redis_blocks=args.redis_blocks, cost_profile=args.cost_profile,
+                        redis_blocks=args.redis_blocks, cpu_ratio=args.cpu_ratio,
+                        redis_ratio=args.redis_ratio, cost_profile=args.cost_profile,
                         sweeps=not args.no_sweeps, ttft_budget_ms=args.ttft_budget_ms,
                         plots=None if args.no_sweeps else args.plots, jobs=max(1, args.jobs))
     progress = None if args.quiet else _progress_line

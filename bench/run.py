@@ -35,6 +35,8 @@ class BenchOptions:
     block_size: int = 16
     cpu_blocks: int = 0                 # LMCache CPU tier, in blocks (0: none)
     redis_blocks: int = 0               # Redis tier, in blocks (0: none)
+    cpu_ratio: float = 0.0              # ... or as a multiple of each workload's GPU cache
+    redis_ratio: float = 0.0
     cost_profile: str = "llama3.1-8b-h200"
     policy_config: PolicyConfig = PolicyConfig()
     sweeps: bool = True                 # cache-size and load sweeps (for the plots)
@@ -106,8 +108,10 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         if progress:
             progress(f"{name}: sizing the GPU cache for LRU at {TARGET_LRU_HIT:.0%}")
         blocks = calibrate_gpu_blocks(sessions, block_size)
-    cfg = EngineConfig(gpu_blocks=blocks, block_size=block_size, cpu_blocks=opts.cpu_blocks,
-                       redis_blocks=opts.redis_blocks, cost=CostProfile.named(opts.cost_profile))
+    cpu_blocks = opts.cpu_blocks or int(opts.cpu_ratio * blocks)
+    redis_blocks = opts.redis_blocks or int(opts.redis_ratio * blocks)
+    cfg = EngineConfig(gpu_blocks=blocks, block_size=block_size, cpu_blocks=cpu_blocks,
+                       redis_blocks=redis_blocks, cost=CostProfile.named(opts.cost_profile))
     unbounded = Engine(EngineConfig(gpu_blocks=1 << 30, block_size=block_size),
                        make_policy("lru", PolicyConfig(block_size=block_size))).run(sessions)
     bound = unbounded.summary()
@@ -166,8 +170,8 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         "calls": calls,
         "anchor_share": None,
         "gpu_blocks": blocks,
-        "cpu_blocks": opts.cpu_blocks,
-        "redis_blocks": opts.redis_blocks,
+        "cpu_blocks": cpu_blocks,
+        "redis_blocks": redis_blocks,
         "cost_profile": opts.cost_profile,
         "block_size": block_size,
         "unbounded_cache_hit_rate": bound["token_hit_rate"],
@@ -222,7 +226,8 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run(opts: BenchOptions, progress: Progress | None = None, out=sys.stdout) -> dict:
+def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
+    out = out or sys.stdout   # looked up now, so a redirected stdout is honoured
     reports = []
     if opts.trace:
         reports.append(run_trace(opts, progress))
