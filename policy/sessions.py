@@ -32,7 +32,7 @@ _MIN_ENDED = 20.0            # multi-call sessions needed before judging session
 _ENDED_DECAY = 0.995         # ... counted with a half-life of about 140 sessions
 _MIN_IDLE_S = 5.0           # never call a session over sooner than this
 _TIME_SCAN = 256            # idle sessions examined for a time-based match
-_CUT_MASK = 7               # a cut after ~1 token in 8: chunks of ~8 tokens
+_CUT_MASK = 3               # a cut after ~1 token in 4: chunks of ~4 tokens
 _MIX = 0x9E3779B97F4A7C15   # odd 64-bit constant for the cut-point hash
 
 
@@ -289,8 +289,10 @@ class SessionTracker:
         if not votes:
             return None
         (best, n), *rest = votes.most_common(2)
-        # Enough chunks, most of those any session owns, and no tie.
-        if n < self.cfg.session_min_shared_chunks or 2 * n < known or (rest and rest[0][1] == n):
+        # Enough chunks (or, in a short window, at least two and every chunk any session owns),
+        # most of those any session owns, and no tie.
+        enough = n >= self.cfg.session_min_shared_chunks or (n >= 2 and n == known)
+        if not enough or 2 * n < known or (rest and rest[0][1] == n):
             return None
         return best if best.sid in self._sessions else None
 
