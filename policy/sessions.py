@@ -7,8 +7,9 @@ Evidence, strongest first:
    supervisor's instruction: text that travels between the agents of one workflow), cut into
    content-defined chunks, so the same text gives the same chunks whatever anchor precedes it.
    Chunks come from prompts and from outputs (an output is usually part of the next prompt). A call
-   joins the session that owns at least `session_min_shared_chunks` of its chunks and most of the
-   chunks any session owns; chunks seen in two sessions (boilerplate) are ignored from then on;
+   joins the session that owns at least `session_min_shared_chunks` of its chunks (or two, when
+   those are all the chunks any session owns in a short window) and most of the chunks any session
+   owns; chunks seen in two sessions (boilerplate) are ignored from then on;
 4. time (off by default; only for calls that carry no tokens): the idle session whose last agent
    the learned chain finds most likely to call this agent next. Measured on the built-in workloads
    it made no correct link, and its guesses feed the chain the transitions that make more guesses
