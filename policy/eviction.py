@@ -233,10 +233,6 @@ class EvictionIndex:
 
     def evict(self, n: int, now: float) -> list[Hashable]:
         """Remove and return the next `n` victims (the same ones `victims` names)."""
-        return [b.key for b in self.evict_blocks(n, now)]
-
-    def evict_blocks(self, n: int, now: float) -> list[Block]:
-        """`evict`, returning the evicted blocks themselves (their `freed_at` is still set)."""
         if self._heap_now != now or self._heap_epoch != self.epoch:
             self._heap_now = now
             self._heap_epoch = self.epoch
@@ -244,13 +240,13 @@ class EvictionIndex:
                                  for g in self._groups.values() if g.head is not None]
             heapq.heapify(heap)
         heap = self._heap
-        out: list[Block] = []
+        out: list[Hashable] = []
         while heap and len(out) < n:
             entry = heapq.heappop(heap)
             b, g, stamp = entry[3], entry[4], entry[5]
             if g.stamp != stamp:
                 continue  # the group's head changed since this entry was pushed
-            out.append(b)
+            out.append(b.key)
             self.discard(b.key)
         return out
 
