@@ -13,8 +13,14 @@ Modelled after vLLM v1 (block semantics are exact, timing comes from a cost mode
   while there is room in the batch and blocks to allocate. When a decode step finds no block, the
   most recently admitted request is preempted and recomputed later (vLLM's recompute preemption).
 - Step time = overhead + prefill tokens x per-token prefill cost + a decode pass (weights read once)
-  + KV read for every running request's context.
+  + KV read for every running request's context + loads from lower tiers (CostProfile, with the
+  figures' sources in data/cost_profiles.json).
+- Optional LMCache-style tiers (CPU, Redis): every computed block is written through; past the GPU
+  prefix hit, runs of blocks found in a tier are loaded when that beats recomputing them; between
+  steps a policy may prefetch blocks (CPU -> GPU, Redis -> CPU) as far as the links' bandwidth
+  allows during a step. Vanilla vLLM (`lru`) has no tiers.
 Sessions are closed loops: a session's next call is issued a think time after its previous call ends.
+The connector hears that a call finished before its blocks are freed, as in vLLM.
 """
 
 from __future__ import annotations
