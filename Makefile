@@ -15,7 +15,7 @@ venv: $(STAMP)
 $(STAMP): $(PINS)
 	@echo "building $(VENV)"
 	@$(PYTHON) -m venv $(VENV)
-	@$(PY) -m pip install -q pip==26.3 setuptools==84.2.1
+	@$(PY) -m pip install -q pip==26.3 setuptools==80.9.0
 	@$(PY) -m pip install -q -r $(PINS)
 	@touch $(STAMP)
 

@@ -1,0 +1,244 @@
+"""Replay the benchmark's sessions on vLLM's own v1 `Scheduler`, `KVCacheManager` and `BlockPool`.
+
+No GPU and no model: the scheduler runs for real on CPU and a hand-made `ModelRunnerOutput` feeds
+back each call's recorded output tokens, so prompts, decode blocks and their hashes are exactly the
+workload's. Time is virtual, from the same `CostProfile` as the fast replay (replay.py), so both
+engines see the same arrivals, think times and step durations. Compared policies:
+- `lru`: vLLM as shipped (no connector);
+- `cachescout`: the same scheduler with `CacheScoutConnector` loaded through `kv_transfer_config`.
+Only the GPU tier exists here; hit rates are vLLM's own (`prefill_stats.num_local_cached_tokens`,
+token-weighted over prompts).
+
+Importing this module imports vLLM (6-12 s).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
+)
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request as VllmRequest  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from .replay import EngineConfig, _pct  # noqa: E402
+from .workloads import Session  # noqa: E402
+
+POLICIES = ("lru", "cachescout")
+_MODEL_LEN = 131072
+_model_dir: str | None = None
+
+
+def _tiny_model_dir() -> str:
+    """A model directory holding only a config.json: all vLLM's ModelConfig needs without weights."""
+    global _model_dir
+    if _model_dir is None:
+        _model_dir = tempfile.mkdtemp(prefix="cachescout-model-")
+        with open(os.path.join(_model_dir, "config.json"), "w") as f:
+            json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+                       "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                       "num_hidden_layers": 2, "vocab_size": 200_000, "max_position_embeddings": _MODEL_LEN,
+                       "torch_dtype": "float16"}, f)
+    return _model_dir
+
+
+def build_scheduler(gpu_blocks: int, *, block_size: int = 16, max_num_seqs: int = 64,
+                    max_batched_tokens: int = 8192, connector: Mapping[str, Any] | None = None) -> Scheduler:
+    """vLLM's scheduler over a prefix cache of `gpu_blocks` usable blocks. `connector`: None for
+    vLLM as shipped, else the `kv_connector_extra_config` of CacheScoutConnector."""
+    model = ModelConfig(model=_tiny_model_dir(), skip_tokenizer_init=True, dtype="float16", max_model_len=_MODEL_LEN)
+    sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens,
+                            max_model_len=_MODEL_LEN, is_encoder_decoder=False, async_scheduling=False)
+    cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
+    cache.num_gpu_blocks = gpu_blocks + 1   # vLLM keeps one block aside (the null block)
+    kvt = None
+    if connector is not None:
+        kvt = KVTransferConfig(kv_connector="CacheScoutConnector", kv_connector_module_path="cachescout.connector",
+                               kv_role="kv_both", kv_connector_extra_config=dict(connector))
+    cfg = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache, kv_transfer_config=kvt,
+                     device_config=DeviceConfig("cpu"))
+    spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    kvc = KVCacheConfig(num_blocks=gpu_blocks + 1, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["model.layers.0.self_attn"], spec)])
+    return Scheduler(vllm_config=cfg, kv_cache_config=kvc, structured_output_manager=StructuredOutputManager(cfg),
+                     block_size=block_size, log_stats=True)
+
+
+@dataclasses.dataclass(slots=True)
+class _Call:
+    session: Session
+    index: int
+    issued_at: float
+    request: Any = None
+    generated: int = 0
+    hit_tokens: int | None = None
+    first_token_at: float | None = None
+    finished_at: float | None = None
+
+
+@dataclasses.dataclass(slots=True)
+class VllmReplayResult:
+    policy: str
+    calls: list[_Call]
+    makespan_s: float
+    steps: int
+    preemptions: int
+    scheduler_s: float            # wall time in vLLM's schedule() + update_from_output()
+    connector_s: float            # of which CacheScout's connector (its own decision time)
+    connector_stats: dict
+
+    def summary(self) -> dict:
+        done = [c for c in self.calls if c.finished_at is not None]
+        prompt = sum(c.session.calls[c.index].prompt_len for c in done)
+        hit = sum(c.hit_tokens or 0 for c in done)
+        ttft = sorted(c.first_token_at - c.issued_at for c in done)
+        return {
+            "policy": self.policy,
+            "engine": "vllm",
+            "calls": len(done),
+            "prompt_tokens": prompt,
+            "gpu_token_hit_rate": hit / prompt if prompt else 0.0,
+            "ttft_mean_ms": 1e3 * sum(ttft) / len(ttft) if ttft else 0.0,
+            "ttft_p99_ms": 1e3 * _pct(ttft, 0.99),
+            "makespan_s": self.makespan_s,
+            "steps": self.steps,
+            "preemptions": self.preemptions,
+            "scheduler_us_per_step": 1e6 * self.scheduler_s / self.steps if self.steps else 0.0,
+            "connector_us_per_step": 1e6 * self.connector_s / self.steps if self.steps else 0.0,
+        }
+
+
+class VllmReplay:
+    """Closed-loop sessions on vLLM's scheduler, stepped on a virtual clock."""
+
+    def __init__(self, cfg: EngineConfig, policy: str = "lru", connector_config: Mapping[str, Any] | None = None
+                 ) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"policy {policy!r} cannot run on --engine vllm; choose from {', '.join(POLICIES)}")
+        if cfg.cpu_blocks or cfg.redis_blocks:
+            raise ValueError("--engine vllm replays the GPU tier only; leave cpu_blocks and redis_blocks at 0")
+        self.cfg = cfg
+        self.policy = policy
+        self.now = 0.0
+        extra = dict(connector_config or {}) if policy == "cachescout" else None
+        self.scheduler = build_scheduler(cfg.gpu_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
+                                         max_batched_tokens=cfg.max_batched_tokens, connector=extra)
+        self.connector = self.scheduler.connector
+        if self.connector is not None:
+            self.connector.set_clock(lambda: self.now)
+        init_none_hash(sha256)
+        self._hasher = get_request_block_hasher(cfg.block_size, sha256)
+        self._preempted: dict[str, int] = {}
+
+    def run(self, sessions: Sequence[Session], progress: Callable[[int, int], None] | None = None
+            ) -> VllmReplayResult:
+        sched = self.scheduler
+        cost = self.cfg.cost
+        pending: list[tuple[float, int, _Call]] = []
+        order = 0
+        for s in sessions:
+            heapq.heappush(pending, (s.arrival_s, order, _Call(s, 0, s.arrival_s)))
+            order += 1
+        total = sum(len(s.calls) for s in sessions)
+        live: dict[str, _Call] = {}
+        done: list[_Call] = []
+        steps = 0
+        sched_s = 0.0
+        while pending or live:
+            if not live and pending[0][0] > self.now:
+                self.now = pending[0][0]
+            while pending and pending[0][0] <= self.now:
+                _, _, c = heapq.heappop(pending)
+                call = c.session.calls[c.index]
+                rid = f"{c.session.session_id}/{c.index}"
+                c.request = VllmRequest(rid, list(call.prompt_tokens()),
+                                        SamplingParams(max_tokens=call.output_len, ignore_eos=True), None,
+                                        arrival_time=self.now, block_hasher=self._hasher)
+                live[rid] = c
+                sched.add_request(c.request)
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            t1 = time.perf_counter()
+            if not out.num_scheduled_tokens:
+                raise RuntimeError("vLLM scheduled nothing: a call needs more KV blocks than the cache holds")
+            prefill_tokens = decode_seqs = context = 0
+            sampled = []
+            ids = list(out.num_scheduled_tokens)
+            for rid in ids:
+                c = live[rid]
+                req = c.request
+                n = out.num_scheduled_tokens[rid]
+                before = req.num_computed_tokens - n   # schedule() already advanced it
+                if n == 1 and before >= req.num_prompt_tokens:
+                    decode_seqs += 1
+                    context += before
+                else:
+                    prefill_tokens += n
+                if req.is_prefill_chunk:
+                    sampled.append([])   # a prefill chunk samples nothing
+                else:
+                    output = c.session.calls[c.index].output
+                    sampled.append([output[c.generated] if c.generated < len(output) else 0])
+            self.now += cost.step_s(prefill_tokens, decode_seqs, context)
+            mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                    sampled_token_ids=sampled)
+            t2 = time.perf_counter()
+            eco = sched.update_from_output(out, mro)
+            sched_s += time.perf_counter() - t2 + (t1 - t0)
+            steps += 1
+            for rid, toks in zip(ids, sampled, strict=True):
+                if toks:
+                    c = live[rid]
+                    c.generated += 1
+                    if c.first_token_at is None:
+                        c.first_token_at = self.now
+            for outs in eco.values():
+                for o in outs.outputs:
+                    c = live.get(o.request_id)
+                    if c is None:
+                        continue
+                    if o.prefill_stats is not None and c.hit_tokens is None:
+                        c.hit_tokens = o.prefill_stats.num_local_cached_tokens
+                    if o.finish_reason is not None:
+                        c.finished_at = self.now
+                        if c.request.num_preemptions:
+                            self._preempted[o.request_id] = c.request.num_preemptions
+                        del live[o.request_id]
+                        done.append(c)
+                        c.request = None
+                        calls = c.session.calls
+                        if c.index + 1 < len(calls):
+                            t = self.now + calls[c.index].think_s
+                            heapq.heappush(pending, (t, order, _Call(c.session, c.index + 1, t)))
+                            order += 1
+                        if progress is not None:
+                            progress(len(done), total)
+        stats: dict = {}
+        connector_s = 0.0
+        if self.connector is not None:
+            connector_s = self.connector.decision_s
+            stats = dict(self.connector.steering.stats) | dict(self.connector.policy.stats)
+        self.preemptions = sum(self._preempted.values())
+        return VllmReplayResult(self.policy, done, self.now, steps, self.preemptions, sched_s, connector_s, stats)
+
+    def pool_all_free(self) -> bool:
+        """Every usable block is back in the free queue (nothing leaked, nothing pinned)."""
+        pool = self.scheduler.kv_cache_manager.block_pool
+        return pool.get_num_free_blocks() == self.cfg.gpu_blocks

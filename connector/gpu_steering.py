@@ -1,0 +1,339 @@
+"""Steer vLLM's GPU prefix-cache eviction by CacheScout's order, through the scheduler's BlockPool.
+
+vLLM evicts cached blocks from the head of its free queue (`BlockPool.free_block_queue`, LRU
+order). Once per scheduler step this module puts the policy's next victims right behind the
+queue's run of empty blocks, so the next step's allocations evict what CacheScout ranks coldest
+and leave likely-reused anchors in place. It never pins a block and never changes a reference
+count: a block still leaves only when vLLM needs room, and vLLM's own bookkeeping stays exact.
+
+The policy core keeps a mirror of the pool's cached blocks (its `EvictionIndex`). vLLM tells a
+connector about requests, not blocks, so the mirror is kept by reading the pool, and is checked
+against it before any block is moved:
+- a request's blocks are filed when it is first allocated (`update_state_after_alloc`), and the
+  blocks it fills later (chunked prefill, decode) when they get their hash;
+- a finished request's blocks are released once vLLM has freed them (`request_finished` runs just
+  before the free, so this happens at the next step), for those whose reference count is now 0;
+- an eviction is noticed when a block that held a filed hash holds another one (or none).
+
+This module imports nothing from vLLM: it reads the pool's public attributes (`blocks`,
+`free_block_queue`, `KVCacheBlock.block_hash`/`ref_cnt`) and uses the queue's own operations
+(`popleft_n`, `remove`, `prepend_n`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+from cachescout.policy import CacheScoutPolicy, Hints, block_key
+
+_MAX_STALE_ROUNDS = 4   # victim lists re-asked after dropping evicted blocks from the mirror
+_PLACE_FACTOR = 2   # victims placed per victim wanted: the list lasts a few steps
+
+
+@dataclasses.dataclass(slots=True)
+class _Tracked:
+    """A request the steering follows: its blocks, and how many of them are filed."""
+
+    request: Any
+    keys: list = dataclasses.field(default_factory=list)   # block keys of its full blocks so far
+    filed: int = 0          # leading blocks whose (key -> block) is recorded
+    prompt_blocks: int = 0  # full blocks of the prompt (the rest were filled by decode)
+    local_hit_tokens: int = 0
+
+
+class GpuSteering:
+    """Mirror of the GPU prefix cache for the policy core, and the free-queue reordering."""
+
+    def __init__(self, policy: CacheScoutPolicy, *, ahead_blocks: int = 16, ahead_factor: float = 1.5,
+                 budget_tokens: int = 8192, clock: Callable[[], float] = time.monotonic) -> None:
+        """`budget_tokens`: vLLM's max_num_batched_tokens (what one step may compute)."""
+        self.policy = policy
+        self.ahead_blocks = ahead_blocks
+        self.ahead_factor = ahead_factor
+        self.budget_tokens = budget_tokens
+        self._waiting_blocks = 0                             # prompt blocks of requests not yet allocated
+        self.clock = clock
+        self.pool: Any = None
+        self._cached: Any = None
+        self.req_blocks: Callable[[str], Sequence[Any]] = lambda rid: ()
+        self._where: dict[Hashable, tuple[Any, Any]] = {}   # key -> (block, its block_hash when filed)
+        self._key_at: dict[int, Hashable] = {}               # block_id -> key filed there
+        self._new: list[Any] = []                            # requests that arrived this step
+        self._allocated: dict[str, _Tracked] = {}            # first allocation this step
+        self._running: dict[str, _Tracked] = {}
+        self._finished: list[Any] = []                       # requests that ended since the last step
+        self._hit_tokens: dict[str, int] = {}
+        self._keys: dict[str, list] = {}                     # block keys of requests not yet allocated
+        self._placed: list[Any] = []              # the victims last put at the head, in order
+        self._placed_at: dict[int, int] = {}      # their block_id -> position
+        self._placed_version = -1                 # the policy index's version when placed
+        self._placed_epoch = -1                   # ... its scoring epoch
+        self._placed_time = float("-inf")
+        self.refresh_s: float | None = policy.cfg.rescore_interval_s   # None: re-place on any change
+        self.stats: Counter[str] = Counter()
+
+    # -- binding ----------------------------------------------------------------------------------
+    def bind(self, pool: Any, req_blocks: Callable[[str], Sequence[Any]]) -> None:
+        """`pool`: vLLM's BlockPool; `req_blocks(request_id)`: the request's blocks of group 0."""
+        self.pool = pool
+        self.req_blocks = req_blocks
+        self._cached = getattr(pool, "cached_block_hash_to_block", None)   # hash -> block(s), vLLM's
+        # The shadow LRU the policy compares itself with has the pool's size (less the null block).
+        self.policy.guard.capacity = max(1, pool.num_gpu_blocks - 1)
+
+    # -- events, O(1) each: the work happens once per step in `step` --------------------------------
+    def arrived(self, request: Any) -> None:
+        self._new.append(request)
+
+    def matched(self, request_id: str, local_hit_tokens: int) -> None:
+        """vLLM's local prefix hit for a request about to be allocated (may be called repeatedly)."""
+        self._hit_tokens[request_id] = local_hit_tokens
+
+    def allocated(self, request: Any) -> None:
+        rid = request.request_id
+        t = self._running.get(rid)
+        if t is not None:   # preempted, now allocated again: its blocks are new, file them afresh
+            t.filed = 0
+            return
+        if rid in self._allocated:
+            return
+        self._allocated[rid] = _Tracked(request, local_hit_tokens=self._hit_tokens.pop(rid, 0))
+        self.stats["allocated"] += 1
+
+    def finished(self, request: Any) -> None:
+        """Called before vLLM frees the request's blocks: they are released at the next step."""
+        self._finished.append(request)
+
+    # -- once per scheduler step --------------------------------------------------------------------
+    def step(self) -> None:
+        """Bring the mirror up to date, then reorder the head of the free queue for the next step."""
+        if self.pool is None:
+            return
+        now = self.clock()
+        policy = self.policy
+        keys_of = self._keys
+        for request in self._new:
+            hints, bad = Hints.from_params(getattr(request, "kv_transfer_params", None))
+            if bad:
+                self.stats["bad_hints"] += len(bad)
+            keys = keys_of[request.request_id] = [block_key(h) for h in request.block_hashes]
+            self._waiting_blocks += len(keys) + 1
+            policy.observe(request.request_id, keys, tokens=request.prompt_token_ids, hints=hints, now=now)
+        self._new.clear()
+        for rid, t in self._allocated.items():
+            keys = keys_of.pop(rid, None)
+            if keys is None:
+                keys = [block_key(h) for h in t.request.block_hashes]
+            else:
+                self._waiting_blocks -= len(keys) + 1
+            t.keys = keys
+            self._admit(t)
+            self._running[rid] = t
+        self._allocated.clear()
+        for request in self._finished:
+            rid = request.request_id
+            self._hit_tokens.pop(rid, None)
+            keys = self._keys.pop(rid, None)
+            if keys is not None:   # finished (aborted) before it was ever allocated
+                self._waiting_blocks -= len(keys) + 1
+            self._release(self._running.pop(rid, None) or _Tracked(request), now)
+        self._finished.clear()
+        # The next step allocates at most: the prompt blocks still to compute (of running and
+        # waiting requests) up to the step's token budget, and one block per running decode.
+        bs = policy.cfg.block_size
+        prefill = self._waiting_blocks
+        for t in self._running.values():
+            r = t.request
+            if t.filed < len(r.block_hashes):
+                self._file_new_blocks(t)
+            left = r.num_prompt_tokens - r.num_computed_tokens
+            if left > 0:
+                prefill += left // bs + 1
+        upcoming = min(prefill, self.budget_tokens // bs + 1) + len(self._running)
+        self._steer(max(self.ahead_blocks, int(self.ahead_factor * upcoming)), now)
+
+    def _admit(self, t: _Tracked) -> None:
+        """A request's first allocation: file its prompt blocks (hits are acquired)."""
+        request = t.request
+        policy = self.policy
+        keys = t.keys
+        num_cached = t.local_hit_tokens // policy.cfg.block_size
+        t.prompt_blocks = len(keys)
+        # Keys the mirror still has past the hit may have been evicted since: check them first.
+        for key in keys[num_cached:]:
+            if key in self._where:
+                self._check(key)
+        policy.admit_blocks(request.request_id, keys, num_cached)
+        self._file_new_blocks(t)
+
+    def _file_new_blocks(self, t: _Tracked) -> None:
+        """Record where the request's newly hashed blocks are; decode-filled ones join the policy."""
+        hashes = t.request.block_hashes
+        if t.filed >= len(hashes):
+            return
+        blocks = self.req_blocks(t.request.request_id)
+        keys = t.keys
+        if len(keys) < len(hashes):
+            keys.extend(block_key(h) for h in hashes[len(keys):])
+        start = i = t.filed
+        n = min(len(hashes), len(blocks))
+        while i < n:
+            blk = blocks[i]
+            bh = blk.block_hash
+            if bh is None:
+                break
+            key = keys[i]
+            old = self._key_at.get(blk.block_id)
+            if old is not None and old != key:
+                self._forget(old, blk)   # the block was evicted and now holds other content
+            self._where[key] = (blk, bh)
+            self._key_at[blk.block_id] = key
+            i += 1
+        t.filed = i
+        if i > t.prompt_blocks and t.prompt_blocks:
+            self.policy.extend_blocks(t.request.request_id, keys[max(start, t.prompt_blocks):i])
+
+    def _release(self, t: _Tracked, now: float) -> None:
+        """After vLLM freed a finished request's blocks: those nobody holds become evictable."""
+        request = t.request
+        self.policy.finish(request.request_id, now, output_tokens=list(request.output_token_ids))
+        freed = []
+        for key in reversed(t.keys[:t.filed]):   # tail first, the order vLLM frees in
+            blk = self._located(key)
+            if blk is not None and blk.ref_cnt == 0:
+                freed.append(key)
+        if freed:
+            self.policy.blocks_freed(freed, now)
+
+    def _located(self, key: Hashable) -> Any:
+        """The block that caches `key` now, or None (then the policy has dropped the key too)."""
+        where = self._where.get(key)
+        if where is None:
+            return None
+        if where[0].block_hash != where[1]:
+            self._forget(key)
+            where = self._where.get(key)
+        return None if where is None else where[0]
+
+    def _forget(self, key: Hashable, blk: Any = None) -> None:
+        """The block filed for `key` (or `blk`, which held it) holds other content now."""
+        where = self._where.get(key)
+        if blk is not None and where is not None and where[0] is not blk:
+            # `blk` held `key` once, but it was filed in another block since: still cached there.
+            if self._key_at.get(blk.block_id) == key:
+                del self._key_at[blk.block_id]
+            return
+        if where is not None:
+            del self._where[key]
+            if self._key_at.get(where[0].block_id) == key:
+                del self._key_at[where[0].block_id]
+            # vLLM may hold the same content in a second block (computed twice, or again after the
+            # eviction): then it is still cached, there.
+            other = self._cached.get_one_block(where[1]) if self._cached is not None else None
+            if other is not None:
+                self._where[key] = (other, where[1])
+                self._key_at[other.block_id] = key
+                return
+        self.policy.blocks_evicted([key])
+        self.stats["evictions_seen"] += 1
+
+    def _check(self, key: Hashable) -> Any:
+        """The block holding `key` if it is still cached and free; fixes the mirror otherwise."""
+        if key not in self._where:
+            self.policy.blocks_evicted([key])   # never located: the policy must not keep it either
+            return None
+        blk = self._located(key)
+        if blk is None:
+            return None
+        if blk.ref_cnt:
+            self.policy.blocks_reused([key])
+            return None
+        return blk
+
+    def _still_valid(self, now: float) -> bool:
+        """May the last placement stand? Yes while the policy's order is unchanged, and also while
+        only blocks were freed since (no rescoring) for up to one rescoring interval: a block freed
+        meanwhile waits at most that long to be ranked, as the scores themselves do."""
+        index = self.policy.index
+        if index.version == self._placed_version:
+            return True
+        if self.refresh_s is None:
+            return False
+        return index.epoch == self._placed_epoch and now - self._placed_time < self.refresh_s
+
+    def _steer(self, need: int, now: float) -> None:
+        """Put the policy's next victims at the head of the free queue, behind its empty blocks."""
+        queue = self.pool.free_block_queue
+        tail = queue.fake_free_list_tail
+        empty = 0
+        b = queue.fake_free_list_head.next_free_block
+        while b is not tail and b.block_hash is None and empty < need:
+            empty += 1
+            b = b.next_free_block
+        if empty >= need:
+            return   # the next step's allocations are served by empty blocks: nothing is evicted
+        want = need - empty
+        # Nothing changed in the policy's order since the last placement, and enough of what was
+        # placed is still at the head (vLLM evicts from there): keep it.
+        placed = self._placed
+        if placed and self._still_valid(now):
+            # vLLM evicts from the head, so what is left of the list starts at the head block.
+            # (A hit may have taken one out of the middle: then one fewer is left, harmlessly.)
+            j = self._placed_at.get(b.block_id, -1)
+            if j >= 0 and placed[j] is b and len(placed) - j >= want:
+                self.stats["steer_kept"] += 1
+                return
+        # vLLM evicted (from the head) some of what was placed last time: tell the policy now, so
+        # its victims below are all still cached.
+        key_at, where_of = self._key_at, self._where
+        for blk in placed:
+            if blk.ref_cnt:
+                key = key_at.get(blk.block_id)
+                where = where_of.get(key)
+                if where is not None and where[0] is blk and blk.block_hash != where[1]:
+                    self._forget(key, blk)
+        # Place twice what is wanted, so the list lasts while vLLM consumes it: each placed block
+        # is computed about twice, not once per step.
+        victims: list[Any] = []
+        for _ in range(_MAX_STALE_ROUNDS):
+            self.stats["victim_rounds"] += 1
+            victims.clear()
+            stale = False
+            for key in self.policy.victims(_PLACE_FACTOR * want, now):
+                blk = self._check(key)
+                if blk is None:
+                    stale = True
+                else:
+                    victims.append(blk)
+            if not stale or len(victims) >= _PLACE_FACTOR * want:
+                break
+        self._placed = victims
+        self._placed_at = {blk.block_id: i for i, blk in enumerate(victims)}
+        self._placed_version = self.policy.index.version
+        self._placed_epoch = self.policy.index.epoch
+        self._placed_time = now
+        if not victims:
+            return
+        # Already in place? (b: the first cached block after the empty run.)
+        b = queue.fake_free_list_head.next_free_block
+        for _ in range(empty):
+            b = b.next_free_block
+        for blk in victims:
+            if b is not blk:
+                break
+            b = b.next_free_block
+        else:
+            self.stats["steer_in_place"] += 1
+            return
+        head_run = queue.popleft_n(empty) if empty else []
+        for blk in victims:
+            queue.remove(blk)
+        queue.prepend_n(victims)
+        if head_run:
+            queue.prepend_n(head_run)
+        self.stats["steered_blocks"] += len(victims)
+        self.stats["steer_steps"] += 1

@@ -1,0 +1,66 @@
+"""The connector's settings, read from vLLM's `kv_connector_extra_config`, validated at start-up.
+
+    {"policy": {...PolicyConfig settings...}, "steer_gpu": true, "steer_ahead_blocks": 16, ...}
+
+An unknown key, a wrong type or a value out of range raises ConfigError naming the field and what
+it accepts, before the engine serves anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from cachescout.policy import ConfigError, PolicyConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ConnectorSettings:
+    policy: PolicyConfig = PolicyConfig()
+    steer_gpu: bool = True            # reorder vLLM's free queue by CacheScout's eviction order
+    steer_ahead_blocks: int = 16      # at least this many next victims are put at the queue's head
+    steer_ahead_factor: float = 1.5   # ... or this many times the most blocks the next step can allocate
+
+    _LIMITS = {"steer_ahead_blocks": (1, 1_000_000), "steer_ahead_factor": (0, 1_000_000)}
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, block_size: int | None = None) -> ConnectorSettings:
+        """`block_size`: vLLM's; the policy takes it (a different `policy.block_size` is an error)."""
+        if extra is not None and not isinstance(extra, Mapping):
+            raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
+        extra = dict(extra or {})
+        known = {"policy", "steer_gpu", "steer_ahead_blocks", "steer_ahead_factor"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; "
+                              f"accepted: {', '.join(sorted(known))}")
+        policy = extra.pop("policy", None)
+        policy = {} if policy is None else policy
+        if not isinstance(policy, Mapping):
+            raise ConfigError(f"kv_connector_extra_config.policy must be a JSON object, got {type(policy).__name__}")
+        policy = dict(policy)
+        if block_size is not None:
+            if policy.get("block_size", block_size) != block_size:
+                raise ConfigError(f"kv_connector_extra_config.policy.block_size is {policy['block_size']!r} but "
+                                  f"vLLM's block_size is {block_size}; leave it out (it is taken from vLLM)")
+            policy["block_size"] = block_size
+        try:
+            policy_cfg = PolicyConfig.from_mapping(policy)
+        except ConfigError as exc:
+            raise ConfigError(f"kv_connector_extra_config.policy: {exc}") from None
+        if "steer_gpu" in extra and not isinstance(extra["steer_gpu"], bool):
+            raise ConfigError("kv_connector_extra_config: 'steer_gpu' must be true or false, "
+                              f"got {extra['steer_gpu']!r}")
+        for name, (lo, hi) in cls._LIMITS.items():
+            if name not in extra:
+                continue
+            v = extra[name]
+            want_int = name == "steer_ahead_blocks"
+            ok = (isinstance(v, int) if want_int else isinstance(v, (int, float))) and not isinstance(v, bool)
+            if not ok or not math.isfinite(v) or not lo <= v <= hi:
+                kind = "an integer" if want_int else "a number"
+                raise ConfigError(f"kv_connector_extra_config: {name!r} must be {kind} in [{lo}, {hi}], "
+                                  f"got {v!r}")
+        return cls(policy=policy_cfg, **extra)

@@ -1,0 +1,186 @@
+"""`CacheScoutConnector`: CacheScout inside vLLM, loaded through `kv_transfer_config`.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "CacheScoutConnector",
+        "kv_connector_module_path": "cachescout.connector", "kv_role": "kv_both",
+        "kv_connector_extra_config": {...see settings.py...}}'
+
+Scheduler side: every new request is handed to the policy core (agent, session, transitions), and
+once per step (`build_connector_meta`) the GPU prefix cache's free queue is reordered by the
+policy's eviction order (gpu_steering.py). The worker side moves no KV in this release: the GPU
+tier is steered, the CPU and Redis tiers (LMCache) are not wired in yet.
+
+Each callback does O(1) work and queues the rest for the step; a failure inside CacheScout is
+counted and logged once, and vLLM keeps serving with its own LRU order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from cachescout.policy import CacheScoutPolicy
+
+from .gpu_steering import GpuSteering
+from .settings import ConnectorSettings
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("cachescout.connector")
+
+
+class CacheScoutMetadata(KVConnectorMetadata):
+    """Nothing travels to the workers yet: the GPU steering happens on the scheduler."""
+
+
+@dataclasses.dataclass
+class CacheScoutStats(KVConnectorStats):
+    """Counters since the last report, summed across reports (vLLM's connector stats)."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.items():
+            self.data[k] = self.data.get(k, 0) + v
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = dict(self.data)
+        steps = d.get("steps", 0)
+        if steps:
+            d["decision_us_per_step"] = round(1e6 * d.get("decision_s", 0.0) / steps, 2)
+        if d.get("predictions"):
+            d["prediction_accuracy"] = round(d.get("predictions_correct", 0) / d["predictions"], 4)
+        return d
+
+    def is_empty(self) -> bool:
+        return not self.data
+
+
+class CacheScoutConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.settings = ConnectorSettings.from_extra_config(extra, block_size=vllm_config.cache_config.block_size)
+        self._steering: GpuSteering | None = None
+        self._failed = False
+        self._reported: dict[str, float] = {}
+        self._reported_at = float("-inf")
+        self._decision_s = 0.0
+        self._steps = 0
+        if role == KVConnectorRole.SCHEDULER:
+            self.policy = CacheScoutPolicy(self.settings.policy)
+            self._steering = GpuSteering(self.policy, ahead_blocks=self.settings.steer_ahead_blocks,
+                                         ahead_factor=self.settings.steer_ahead_factor,
+                                         budget_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+
+    @property
+    def steering(self) -> GpuSteering | None:
+        return self._steering
+
+    @property
+    def decision_s(self) -> float:
+        """Seconds spent in CacheScout's per-step work so far."""
+        return self._decision_s
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Replace the wall clock (the benchmark replays on a virtual one)."""
+        if self._steering is not None:
+            self.policy.clock = clock
+            self._steering.clock = clock
+
+    def requires_kv_delivery(self) -> bool:
+        return False   # a cache: vLLM never waits on us to hand KV over
+
+    # -- scheduler side -------------------------------------------------------------------------------
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._steering is None or not self.settings.steer_gpu:
+            return
+        managers = kv_cache_manager.coordinator.single_type_managers
+        if len(managers) != 1:
+            log.warning("CacheScout: %d KV cache groups; GPU steering supports one and is off", len(managers))
+            return
+        req_to_blocks = managers[0].req_to_blocks
+        self._steering.bind(kv_cache_manager.block_pool, lambda rid: req_to_blocks.get(rid) or ())
+
+    def on_new_request(self, request: Request) -> None:
+        if self._steering is not None:
+            self._steering.arrived(request)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._steering is not None:
+            self._steering.matched(request.request_id, num_computed_tokens)
+        return 0, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        if self._steering is not None:
+            self._steering.allocated(request)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        steering = self._steering
+        if steering is not None and not self._failed:
+            t0 = time.perf_counter()
+            try:
+                steering.step()
+            except Exception:   # never take the scheduler down: fall back to vLLM's own order
+                self._failed = True
+                log.exception("CacheScout: steering failed; vLLM's LRU order is used from now on")
+            self._decision_s += time.perf_counter() - t0
+            self._steps += 1
+        return CacheScoutMetadata()
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self._steering is not None:
+            self._steering.finished(request)
+        return False, None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """Counters since the last report; vLLM asks every step, we answer about once a second."""
+        if self._steering is None:
+            return None
+        t = self._steering.clock()
+        if t - self._reported_at < 1.0:
+            return None
+        self._reported_at = t
+        now = dict(self._steering.stats)
+        for k in ("predictions", "predictions_correct", "requests", "recognised"):
+            now[k] = self.policy.stats.get(k, 0)
+        now["decision_s"] = self._decision_s
+        now["steps"] = self._steps
+        now["failed"] = int(self._failed)
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        self._reported = now
+        return CacheScoutStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return CacheScoutStats(data=dict(data or {}))
+
+    # -- worker side: no KV moves in this release ---------------------------------------------------
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        return None

@@ -1,0 +1,47 @@
+"""The connector's settings (kv_connector_extra_config): accepted values and start-up errors."""
+
+import pytest
+
+from cachescout.connector import ConnectorSettings
+from cachescout.policy import ConfigError
+
+
+def test_defaults_take_vllm_block_size():
+    s = ConnectorSettings.from_extra_config(None, block_size=32)
+    assert s.policy.block_size == 32
+    assert s.steer_gpu is True
+    assert s.steer_ahead_blocks == 16
+
+
+def test_values_are_read():
+    s = ConnectorSettings.from_extra_config(
+        {"steer_gpu": False, "steer_ahead_blocks": 8, "steer_ahead_factor": 0.5,
+         "policy": {"max_agents": 100}}, block_size=16)
+    assert (s.steer_gpu, s.steer_ahead_blocks, s.steer_ahead_factor) == (False, 8, 0.5)
+    assert s.policy.max_agents == 100
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"steer_gpux": True}, "steer_gpux"),                      # unknown key
+    ({"steer_gpu": "yes"}, "steer_gpu"),                       # wrong type
+    ({"steer_ahead_blocks": -4}, "steer_ahead_blocks"),        # negative size
+    ({"steer_ahead_blocks": 2.5}, "steer_ahead_blocks"),       # not an integer
+    ({"steer_ahead_factor": float("nan")}, "steer_ahead_factor"),
+    ({"policy": {"no_such_setting": 1}}, "no_such_setting"),   # unknown policy setting
+    ({"policy": {"block_size": 64}}, "block_size"),            # disagrees with vLLM's
+    ({"policy": []}, "policy"),
+])
+def test_bad_values_name_the_field(extra, field):
+    with pytest.raises(ConfigError, match=field):
+        ConnectorSettings.from_extra_config(extra, block_size=16)
+
+
+def test_unknown_key_lists_accepted_ones():
+    with pytest.raises(ConfigError) as err:
+        ConnectorSettings.from_extra_config({"bogus": 1}, block_size=16)
+    assert "steer_ahead_blocks" in str(err.value)
+
+
+def test_not_a_mapping():
+    with pytest.raises(ConfigError, match="JSON object"):
+        ConnectorSettings.from_extra_config([("steer_gpu", True)], block_size=16)

@@ -1,0 +1,141 @@
+"""CacheScoutConnector inside vLLM's real v1 Scheduler, KVCacheManager and BlockPool (on CPU).
+
+The scheduler is vLLM's own, loaded with the connector through `kv_transfer_config`; only the
+model is replaced, by hand-made `ModelRunnerOutput`s carrying each call's recorded output tokens
+(no GPU here). Importing vLLM costs about 8 s, so runs are shared per module.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from cachescout.bench.policies import make_policy
+from cachescout.bench.replay import Engine, EngineConfig
+from cachescout.bench.run import calibrate_gpu_blocks
+from cachescout.bench.vllm_replay import VllmReplay, build_scheduler
+from cachescout.bench.workloads import WorkloadSpec, generate
+from cachescout.connector import CacheScoutConnector
+from cachescout.policy import ConfigError, PolicyConfig
+
+
+@pytest.fixture(scope="module")
+def short_workload():
+    sessions = generate(WorkloadSpec(family="gsm8k", sessions=40, rate=2.0, seed=1))
+    return sessions, EngineConfig(gpu_blocks=calibrate_gpu_blocks(sessions, 16))
+
+
+@pytest.fixture(scope="module")
+def runs(short_workload):
+    """The same sessions and cache size on both engines, with and without CacheScout."""
+    sessions, cfg = short_workload
+    out = {}
+    for policy in ("lru", "cachescout"):
+        fast = Engine(cfg, make_policy(policy, PolicyConfig())).run(sessions).summary()
+        replay = VllmReplay(cfg, policy)
+        out[policy] = (fast, replay, replay.run(sessions))
+    return out
+
+
+def test_loaded_through_kv_transfer_config():
+    sched = build_scheduler(64, connector={})
+    assert isinstance(sched.connector, CacheScoutConnector)
+    assert sched.connector.steering.pool is sched.kv_cache_manager.block_pool
+    assert build_scheduler(64).connector is None
+
+
+def test_connector_raises_prefix_cache_hits(runs):
+    lru = runs["lru"][2].summary()
+    ours = runs["cachescout"][2].summary()
+    assert lru["calls"] == ours["calls"] > 300
+    assert ours["gpu_token_hit_rate"] > lru["gpu_token_hit_rate"] + 0.01
+    stats = runs["cachescout"][2].connector_stats
+    assert stats["steered_blocks"] > 0 and stats["evictions_seen"] > 0
+    assert stats["recognised"] >= 0.9 * stats["requests"]
+
+
+@pytest.mark.parametrize("policy", ["lru", "cachescout"])
+def test_engines_agree_within_two_points(runs, policy):
+    fast, _, result = runs[policy]
+    assert abs(fast["gpu_token_hit_rate"] - result.summary()["gpu_token_hit_rate"]) <= 0.02
+
+
+@pytest.mark.parametrize("policy", ["lru", "cachescout"])
+def test_pool_ends_all_free_and_unpinned(runs, policy):
+    replay = runs[policy][1]
+    assert replay.pool_all_free()
+    pool = replay.scheduler.kv_cache_manager.block_pool
+    assert all(b.ref_cnt == 0 for b in pool.blocks if not b.is_null)
+
+
+def test_stats_reach_vllm_as_connector_stats(runs):
+    connector = runs["cachescout"][1].connector
+    connector._reported_at = float("-inf")   # the report is throttled to once a second
+    connector._reported = {}
+    stats = connector.get_kv_connector_stats()
+    assert stats is not None and not stats.is_empty()
+    reduced = stats.reduce()
+    assert reduced["steps"] > 0 and reduced["decision_us_per_step"] > 0
+    assert 0 < reduced["prediction_accuracy"] <= 1
+    merged = type(connector).build_kv_connector_stats(dict(stats.data)).aggregate(stats)
+    assert merged.data["steps"] == 2 * stats.data["steps"]
+
+
+def test_steering_failure_falls_back_to_vllm_order(short_workload, caplog):
+    sessions, cfg = short_workload
+    replay = VllmReplay(cfg, "cachescout")
+    steering = replay.connector.steering
+    calls = {"n": 0}
+    real = steering._steer
+
+    def flaky(need, now):
+        calls["n"] += 1
+        if calls["n"] == 50:
+            raise RuntimeError("injected")
+        return real(need, now)
+
+    steering._steer = flaky
+    result = replay.run(sessions[:10])
+    assert calls["n"] == 50                     # never called again after the failure
+    assert len(result.calls) == sum(len(s.calls) for s in sessions[:10])
+    assert replay.pool_all_free()
+    assert "steering failed" in caplog.text
+
+
+def test_hints_from_kv_transfer_params():
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    sched = build_scheduler(256, connector={})
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    params = [{"cachescout.agent": "coder"}, {"cachescout.agent": ""}]
+    for i, kv in enumerate(params):
+        sp = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": kv})
+        sched.add_request(Request(f"r{i}", list(range(i, 64 + i)), sp, None, block_hasher=hasher))
+    sched.schedule()
+    policy = sched.connector.policy
+    assert sched.connector.steering.stats["bad_hints"] == 1
+    assert "coder" in policy.learner.agents()
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"bogus": 1}, "bogus"),
+    ({"steer_ahead_blocks": -1}, "steer_ahead_blocks"),
+    ({"steer_gpu": "on"}, "steer_gpu"),
+    ({"policy": {"transition_half_life": "fast"}}, "transition_half_life"),
+])
+def test_bad_config_fails_when_vllm_builds_the_connector(extra, field):
+    with pytest.raises(ConfigError, match=field):
+        build_scheduler(64, connector=extra)
+
+
+def test_bad_config_exits_the_process():
+    """A bad setting ends the process with the message; nothing is left hanging."""
+    code = ("from cachescout.bench.vllm_replay import build_scheduler\n"
+            "build_scheduler(64, connector={'steer_ahead_blocks': 0})\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode != 0
+    assert "steer_ahead_blocks" in proc.stderr and "ConfigError" in proc.stderr
