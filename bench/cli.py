@@ -20,8 +20,12 @@ def _parser() -> argparse.ArgumentParser:
                                    "and compare policies on the same trace, cache size and run.")
     b.add_argument("--workloads", default="gsm8k,mtbench,gaia,swebench",
                    help="comma-separated task families (default: all four)")
-    b.add_argument("--policies", default="lru,cachescout,cachescout-hints,oracle",
-                   help="comma-separated policies (default lru,cachescout,cachescout-hints,oracle)")
+    b.add_argument("--policies", default=None,
+                   help="comma-separated policies (default lru,cachescout,cachescout-hints,oracle; "
+                        "with --engine vllm: lru,cachescout)")
+    b.add_argument("--engine", default="fast", choices=("fast", "vllm"),
+                   help="fast: the pure-Python replay (default); vllm: replay on vLLM's own scheduler "
+                        "with CacheScoutConnector (GPU tier only) beside the fast engine's figures")
     b.add_argument("--sessions", type=int, default=300, help="sessions per workload (default 300)")
     b.add_argument("--rate", type=float, default=2.0, help="session arrivals per second (default 2)")
     b.add_argument("--routing", default="learned", help="learned, uniform or random (default learned)")
@@ -52,7 +56,49 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                    help="workloads replayed in parallel processes (default: the CPU count, at most 4)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    c = sub.add_parser("config", help="print the vLLM and LMCache configuration that turns CacheScout on",
+                       description="Print vLLM's --kv-transfer-config for CacheScoutConnector (with LMCache's "
+                                   "connector beside it when a CPU tier or Redis is asked for) and LMCache's YAML. "
+                                   "Every value is validated as the connector will at start-up.")
+    c.add_argument("--model", default="MODEL", help="model name for the printed vllm serve line")
+    c.add_argument("--cpu-gib", type=float, default=0.0, help="LMCache CPU tier per worker, GiB (default 0: none)")
+    c.add_argument("--redis-url", default=None, help="LMCache Redis tier, redis://HOST:PORT (default: none)")
+    c.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens (default 256)")
+    c.add_argument("--lmcache-file", default="/etc/lmcache/lmcache.yaml",
+                   help="where the LMCache YAML will live (for the printed command; default /etc/lmcache/lmcache.yaml)")
+    c.add_argument("--settings", default="{}",
+                   help="CacheScout settings as a JSON object (kv_connector_extra_config), e.g. "
+                        "'{\"steer_ahead_blocks\": 32, \"policy\": {\"max_agents\": 200}}'")
     return p
+
+
+def _config(args: argparse.Namespace) -> int:
+    import shlex
+
+    from cachescout.connector.deploy_config import kv_transfer_config, lmcache_yaml
+    from cachescout.policy import ConfigError
+
+    try:
+        extra = json.loads(args.settings)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--settings is not JSON: {exc}") from None
+    tiers = args.cpu_gib > 0 or bool(args.redis_url)
+    try:
+        kvt = kv_transfer_config(extra, lmcache=tiers)
+        yaml = (lmcache_yaml(cpu_gib=args.cpu_gib, redis_url=args.redis_url, chunk_size=args.chunk_size)
+                if tiers else None)
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+    env = f"LMCACHE_CONFIG_FILE={shlex.quote(args.lmcache_file)} PYTHONHASHSEED=0 " if tiers else ""
+    print("# Start vLLM with CacheScout" + (" and LMCache's CPU/Redis tiers" if tiers else "") + ":")
+    print(f"{env}vllm serve {shlex.quote(args.model)} --kv-transfer-config {shlex.quote(json.dumps(kvt))}")
+    print("\n# kv_transfer_config, readable:")
+    print(json.dumps(kvt, indent=2))
+    if yaml is not None:
+        print(f"\n# LMCache configuration, to save as {args.lmcache_file} (PYTHONHASHSEED must be the same on "
+              "every replica that shares Redis: LMCache's chunk keys use Python's hash):")
+        print(yaml, end="")
+    return 0
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -62,7 +108,17 @@ def _bench(args: argparse.Namespace) -> int:
     from .workloads import FAMILIES, ROUTINGS
 
     families = [f for f in args.workloads.split(",") if f]
-    policies = [p for p in args.policies.split(",") if p]
+    vllm = args.engine == "vllm"
+    policies = [p for p in (args.policies or ("lru,cachescout" if vllm else
+                                              "lru,cachescout,cachescout-hints,oracle")).split(",") if p]
+    if vllm:
+        if any(p not in ("lru", "cachescout") for p in policies):
+            raise ValueError(f"--policies: --engine vllm runs lru and cachescout, got {','.join(policies)}")
+        if args.trace:
+            raise ValueError("--engine vllm replays the built-in workloads (a trace has no token ids to "
+                             "give vLLM's scheduler); drop --trace")
+        if args.cpu_blocks or args.redis_blocks or args.cpu_ratio or args.redis_ratio:
+            raise ValueError("--engine vllm replays the GPU tier only; drop --cpu-*/--redis-* options")
     for f in families:
         if f not in FAMILIES:
             raise ValueError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")
@@ -88,15 +144,15 @@ def _bench(args: argparse.Namespace) -> int:
                         export_trace=args.export_trace, cpu_blocks=args.cpu_blocks,
                         redis_blocks=args.redis_blocks, cpu_ratio=args.cpu_ratio,
                         redis_ratio=args.redis_ratio, cost_profile=args.cost_profile,
-                        sweeps=not args.no_sweeps, ttft_budget_ms=args.ttft_budget_ms,
-                        plots=None if args.no_sweeps else args.plots, jobs=max(1, args.jobs))
+                        sweeps=not (args.no_sweeps or vllm), engine=args.engine, ttft_budget_ms=args.ttft_budget_ms,
+                        plots=None if args.no_sweeps or vllm else args.plots, jobs=max(1, args.jobs))
     progress = None if args.quiet else _progress_line
     report = run(opts, progress)
     if not args.quiet:
         sys.stderr.write("\r\033[K")
     with open(args.json, "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=1)
-    print(f"wrote {args.json}" + ("" if args.no_sweeps else f" and {args.plots}"))
+    print(f"wrote {args.json}" + ("" if args.no_sweeps or vllm else f" and {args.plots}"))
     return 0
 
 
@@ -110,6 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "bench":
             return _bench(args)
+        if args.command == "config":
+            return _config(args)
     except KeyboardInterrupt:
         print("cachescout: interrupted", file=sys.stderr)
         return 130

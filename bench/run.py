@@ -14,6 +14,7 @@ from cachescout.policy import PolicyConfig
 from .metrics import inference_accuracy
 from .policies import make_policy
 from .replay import CostProfile, Engine, EngineConfig
+from .table import render
 from .sweep import CACHE_FACTORS, LOAD_FACTORS, SWEEP_POLICIES, cache_sweep, load_sweep, plot
 from .trace import export_trace, read_trace
 from .workloads import Session, WorkloadSpec, anchor_share, generate
@@ -47,6 +48,7 @@ class BenchOptions:
     trace_block_size: int = 512         # block size of trace records that do not state theirs
     strict_trace: bool = False          # reject a trace with a malformed line (else skip it)
     export_trace: str | None = None     # write each built-in workload's calls here (a folder)
+    engine: str = "fast"                # "vllm": also replay on vLLM's own scheduler (GPU tier only)
 
 
 Progress = Callable[[str], None]
@@ -118,6 +120,8 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     if export is not None:
         export.parent.mkdir(parents=True, exist_ok=True)
         export_trace(unbounded, export, block_size)
+    if opts.engine == "vllm":
+        return _on_vllm(name, sessions, cfg, opts, progress)
     labelled = all(c.agent is not None for s in sessions for c in s.calls)
     results = []
     policy_cfg = dataclasses.replace(opts.policy_config, block_size=block_size)
@@ -180,6 +184,38 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     }
 
 
+def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: BenchOptions,
+             progress: Progress | None) -> dict:
+    """The same sessions and cache size on vLLM's scheduler and on the fast engine."""
+    from .vllm_replay import compare_engines, vllm_version   # imports vLLM: only when asked for
+
+    policy_cfg = dataclasses.replace(opts.policy_config, block_size=cfg.block_size)
+    fast = {}
+    for policy_name in opts.policies:
+        tick = _ticker(progress, f"{name}: {policy_name} (fast)") if progress else None
+        fast[policy_name] = Engine(cfg, make_policy(policy_name, policy_cfg)).run(sessions, tick).summary()
+    tick = None
+    if progress:
+        tickers: dict[str, Callable[[int, int], None]] = {}
+
+        def tick(policy: str, done: int, total: int) -> None:
+            if policy not in tickers:
+                tickers[policy] = _ticker(progress, f"{name}: {policy} (vLLM)")
+            tickers[policy](done, total)
+    return {
+        "workload": name,
+        "engine": "vllm",
+        "vllm_version": vllm_version(),
+        "sessions": len(sessions),
+        "calls": sum(len(s.calls) for s in sessions),
+        "anchor_share": None,
+        "gpu_blocks": cfg.gpu_blocks,
+        "block_size": cfg.block_size,
+        "cost_profile": opts.cost_profile,
+        "results": compare_engines(name, sessions, cfg, opts.policies, fast, tick),
+    }
+
+
 def _ticker(progress: Progress, label: str) -> Callable[[int, int], None]:
     state = {"last": -1}
 
@@ -193,6 +229,9 @@ def _ticker(progress: Progress, label: str) -> Callable[[int, int], None]:
 
 
 def format_table(report: dict) -> str:
+    if report.get("engine") == "vllm":
+        from .vllm_replay import format_engine_table
+        return format_engine_table(report)
     share = report.get("anchor_share")
     anchors = f"anchors {share:.0%} of prompt tokens, " if share is not None else ""
     head = (f"{report['workload']}: {report['sessions']} sessions, {report['calls']} calls, {anchors}"
@@ -216,14 +255,7 @@ def format_table(report: dict) -> str:
             f"{r['agent_accuracy']:.3f}" if "agent_accuracy" in r else "-",
             f"{r['session_continuity']:.3f}" if "session_continuity" in r else "-",
             f"{r['prediction_accuracy']:.3f}" if "prediction_accuracy" in r else "-"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
-    lines = [head]
-    for k, row in enumerate(rows):
-        cells = (c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True)))
-        lines.append("  " + "  ".join(cells))
-        if k == 0:
-            lines.append("  " + "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return render(head, rows)
 
 
 def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
@@ -248,8 +280,16 @@ def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
             report = run_workload(family, opts, progress)
             reports.append(report)
             print(format_table(report) + "\n", file=out, flush=True)
-    if opts.plots:
+    if opts.plots and opts.engine != "vllm":
         plot(reports, opts.plots)
+    if opts.engine == "vllm":
+        return {
+            "semantics": "GPU-tier token-weighted prefix hits as vLLM's scheduler reports them "
+                         "(prefill_stats.num_local_cached_tokens), beside the fast engine's on the same "
+                         "sessions and cache size; connector time is wall time on this machine, step time "
+                         "the cost model's GPU step plus the scheduler's CPU time",
+            "workloads": reports,
+        }
     return {
         "semantics": "token-weighted prefix hits under vLLM block semantics (full blocks, chained hashes, "
                      "last prompt token always recomputed); TTFT on a virtual clock from the cost model",

@@ -14,18 +14,26 @@ Importing this module imports vLLM (6-12 s).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import heapq
 import json
+import logging
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# No model, no GPU: torch's and vLLM's start-up warnings about that are expected; keep the output clean.
+for _name in ("torch", "vllm"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
 
 import torch  # noqa: E402
+
+logging.getLogger("torch").setLevel(logging.ERROR)   # torch's import resets its own level
 from vllm import SamplingParams  # noqa: E402
 from vllm.config import (  # noqa: E402
     CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig,
@@ -39,9 +47,15 @@ from vllm.v1.request import Request as VllmRequest  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from .replay import EngineConfig, _pct  # noqa: E402
+from .table import render  # noqa: E402
 from .workloads import Session  # noqa: E402
 
 POLICIES = ("lru", "cachescout")
+
+
+def vllm_version() -> str:
+    import vllm
+    return vllm.__version__
 _MODEL_LEN = 131072
 _model_dir: str | None = None
 
@@ -49,8 +63,9 @@ _model_dir: str | None = None
 def _tiny_model_dir() -> str:
     """A model directory holding only a config.json: all vLLM's ModelConfig needs without weights."""
     global _model_dir
-    if _model_dir is None:
+    if _model_dir is None or not os.path.isfile(os.path.join(_model_dir, "config.json")):
         _model_dir = tempfile.mkdtemp(prefix="cachescout-model-")
+        atexit.register(shutil.rmtree, _model_dir, ignore_errors=True)
         with open(os.path.join(_model_dir, "config.json"), "w") as f:
             json.dump({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
                        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -242,3 +257,57 @@ class VllmReplay:
         """Every usable block is back in the free queue (nothing leaked, nothing pinned)."""
         pool = self.scheduler.kv_cache_manager.block_pool
         return pool.get_num_free_blocks() == self.cfg.gpu_blocks
+
+
+def compare_engines(name: str, sessions: Sequence[Session], cfg: EngineConfig, policies: Sequence[str],
+                    fast_results: Mapping[str, dict], progress: Callable[[str, int, int], None] | None = None
+                    ) -> list[dict]:
+    """Each policy on vLLM's scheduler, beside the fast engine's figures for the same run.
+
+    `fast_results`: policy -> the fast engine's summary on the same sessions and cache size. The
+    connector's cost is reported per scheduler step and as a share of the step time without it:
+    the modelled GPU step plus the scheduler's own CPU time, from the `lru` run when there is one
+    (else from the same run less the connector)."""
+    rows = []
+    for policy in policies:
+        replay = VllmReplay(cfg, policy)
+        tick = (lambda done, total, p=policy: progress(p, done, total)) if progress else None
+        result = replay.run(sessions, tick)
+        if not replay.pool_all_free():
+            raise RuntimeError(f"{name}/{policy}: vLLM's block pool did not end with every block free")
+        s = result.summary()
+        s["model_step_ms"] = 1e3 * s["makespan_s"] / s["steps"] if s["steps"] else 0.0
+        fast = fast_results[policy]
+        s["fast_gpu_token_hit_rate"] = fast["gpu_token_hit_rate"]
+        s["engine_difference"] = s["gpu_token_hit_rate"] - fast["gpu_token_hit_rate"]
+        if policy == "cachescout":
+            st = result.connector_stats
+            s["connector"] = {k: st.get(k, 0) for k in ("requests", "recognised", "predictions", "predictions_correct",
+                                                          "steered_blocks", "steer_steps", "evictions_seen")}
+        rows.append(s)
+    base = next((r for r in rows if r["policy"] == "lru"), None)
+    for r in rows:
+        if not r["connector_us_per_step"]:
+            continue
+        ref = base or r
+        own = 0 if base else r["connector_us_per_step"]
+        step_us = 1e3 * ref["model_step_ms"] + ref["scheduler_us_per_step"] - own
+        same_us = 1e3 * r["model_step_ms"] + r["scheduler_us_per_step"] - r["connector_us_per_step"]
+        # The larger of the two shares: against the run without the connector, and against this
+        # run's own (shorter, since more prefix hits) steps less the connector.
+        r["connector_step_overhead"] = r["connector_us_per_step"] / min(step_us, same_us)
+    return rows
+
+
+def format_engine_table(report: dict) -> str:
+    head = (f"{report['workload']}: {report['calls']} calls on vLLM {report['vllm_version']}'s scheduler, "
+            f"GPU cache {report['gpu_blocks']} blocks x {report['block_size']} tokens (GPU tier only)")
+    cols = ("policy", "hit vLLM", "hit fast", "difference", "TTFT mean", "scheduler/step", "connector/step",
+            "of step time")
+    rows = [cols]
+    for r in report["results"]:
+        rows.append((r["policy"], f"{r['gpu_token_hit_rate']:.4f}", f"{r['fast_gpu_token_hit_rate']:.4f}",
+                     f"{100 * r['engine_difference']:+.2f} pt", f"{r['ttft_mean_ms']:.0f} ms",
+                     f"{r['scheduler_us_per_step']:.0f} us", f"{r['connector_us_per_step']:.0f} us",
+                     f"{r['connector_step_overhead']:.2%}" if "connector_step_overhead" in r else "-"))
+    return render(head, rows)

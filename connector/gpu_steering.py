@@ -31,6 +31,7 @@ from typing import Any
 from cachescout.policy import CacheScoutPolicy, Hints, block_key
 
 _MAX_STALE_ROUNDS = 4   # victim lists re-asked after dropping evicted blocks from the mirror
+_ARRIVAL_DECAY = 0.9    # per step
 _PLACE_FACTOR = 2   # victims placed per victim wanted: the list lasts a few steps
 
 
@@ -55,6 +56,7 @@ class GpuSteering:
         self.ahead_blocks = ahead_blocks
         self.ahead_factor = ahead_factor
         self.budget_tokens = budget_tokens
+        self._arrival_blocks = 0.0                           # decayed peak of blocks arrivals took in a step
         self._waiting_blocks = 0                             # prompt blocks of requests not yet allocated
         self.clock = clock
         self.pool: Any = None
@@ -116,7 +118,9 @@ class GpuSteering:
         now = self.clock()
         policy = self.policy
         keys_of = self._keys
+        arrived_now = set()
         for request in self._new:
+            arrived_now.add(request.request_id)
             hints, bad = Hints.from_params(getattr(request, "kv_transfer_params", None))
             if bad:
                 self.stats["bad_hints"] += len(bad)
@@ -124,6 +128,7 @@ class GpuSteering:
             self._waiting_blocks += len(keys) + 1
             policy.observe(request.request_id, keys, tokens=request.prompt_token_ids, hints=hints, now=now)
         self._new.clear()
+        unplanned = 0
         for rid, t in self._allocated.items():
             keys = keys_of.pop(rid, None)
             if keys is None:
@@ -131,9 +136,14 @@ class GpuSteering:
             else:
                 self._waiting_blocks -= len(keys) + 1
             t.keys = keys
+            if rid in arrived_now:
+                unplanned += len(keys) + 1 - t.local_hit_tokens // policy.cfg.block_size
             self._admit(t)
             self._running[rid] = t
         self._allocated.clear()
+        # Requests that arrive between two steps are allocated in the very step that first shows
+        # them to the connector: leave room for as many blocks as recent arrivals took at once.
+        self._arrival_blocks = max(float(unplanned), self._arrival_blocks * _ARRIVAL_DECAY)
         for request in self._finished:
             rid = request.request_id
             self._hit_tokens.pop(rid, None)
@@ -153,7 +163,8 @@ class GpuSteering:
             left = r.num_prompt_tokens - r.num_computed_tokens
             if left > 0:
                 prefill += left // bs + 1
-        upcoming = min(prefill, self.budget_tokens // bs + 1) + len(self._running)
+        budget = self.budget_tokens // bs + 1
+        upcoming = min(prefill + int(self._arrival_blocks), budget) + len(self._running)
         self._steer(max(self.ahead_blocks, int(self.ahead_factor * upcoming)), now)
 
     def _admit(self, t: _Tracked) -> None:
@@ -162,6 +173,8 @@ class GpuSteering:
         policy = self.policy
         keys = t.keys
         num_cached = t.local_hit_tokens // policy.cfg.block_size
+        self.stats["prompt_tokens"] += request.num_prompt_tokens
+        self.stats["gpu_hit_tokens"] += t.local_hit_tokens
         t.prompt_blocks = len(keys)
         # Keys the mirror still has past the hit may have been evicted since: check them first.
         for key in keys[num_cached:]:
@@ -304,6 +317,10 @@ class GpuSteering:
             victims.clear()
             stale = False
             for key in self.policy.victims(_PLACE_FACTOR * want, now):
+                where = where_of.get(key)
+                if where is not None and where[0].block_hash is where[1] and not where[0].ref_cnt:
+                    victims.append(where[0])   # still cached and free: the common case, checked inline
+                    continue
                 blk = self._check(key)
                 if blk is None:
                     stale = True

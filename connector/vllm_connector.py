@@ -26,7 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from vllm.v1.metrics.utils import create_metric_per_engine
 
 from cachescout.policy import CacheScoutPolicy
 
@@ -70,6 +71,49 @@ class CacheScoutStats(KVConnectorStats):
 
     def is_empty(self) -> bool:
         return not self.data
+
+
+# Counters reported to Prometheus (each as vllm:cachescout_<name>_total): key -> help text.
+PROM_COUNTERS = {
+    "requests": "requests CacheScout observed",
+    "recognised": "requests whose agent CacheScout recognised",
+    "predictions": "next-agent predictions made",
+    "predictions_correct": "next-agent predictions that came true",
+    "prompt_tokens": "prompt tokens of requests allocated",
+    "gpu_hit_tokens": "of which GPU prefix-cache hits (vLLM's, under CacheScout's eviction order)",
+    "steered_blocks": "free cached blocks moved to the head of vLLM's free queue",
+    "steer_steps": "steps that reordered the free queue",
+    "evictions_seen": "evictions of blocks CacheScout tracked",
+    "bad_hints": "malformed cachescout.* hints in kv_transfer_params (ignored)",
+    "steps": "scheduler steps seen",
+    "decision_s": "seconds spent in CacheScout's per-step work",
+}
+
+
+class CacheScoutPromMetrics(KVConnectorPromMetrics):
+    """vLLM's Prometheus hook for connector stats: one counter per CacheScout count, plus a gauge
+    that is 1 once steering has failed and vLLM's own LRU order is in use."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {}
+        for key, doc in PROM_COUNTERS.items():
+            name = "vllm:cachescout_decision_seconds_total" if key == "decision_s" else f"vllm:cachescout_{key}_total"
+            metric = self._counter_cls(name=name, documentation=f"CacheScout: {doc}", labelnames=labelnames)
+            self.counters[key] = create_metric_per_engine(metric, per_engine_labelvalues)
+        fallback = self._gauge_cls(name="vllm:cachescout_fallback_to_lru",
+                                   documentation="CacheScout: 1 when steering failed and vLLM's LRU order is used",
+                                   labelnames=labelnames, multiprocess_mode="mostrecent")
+        self.fallback = create_metric_per_engine(fallback, per_engine_labelvalues)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for key, per_engine in self.counters.items():
+            v = transfer_stats_data.get(key, 0)
+            if v > 0:
+                per_engine[engine_idx].inc(v)
+        if transfer_stats_data.get("failed"):
+            self.fallback[engine_idx].set(1)
 
 
 class CacheScoutConnector(KVConnectorBase_V1):
@@ -171,6 +215,11 @@ class CacheScoutConnector(KVConnectorBase_V1):
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return CacheScoutStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
+        return CacheScoutPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side: no KV moves in this release ---------------------------------------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

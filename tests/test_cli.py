@@ -29,11 +29,30 @@ def test_bench_writes_results_and_plots(tmp_path, capsys):
     (["--cost-profile", "a100"], "unknown cost profile 'a100'"),
     (["--cpu-blocks", "-1"], "--cpu-blocks"),
     (["--trace", "/nonexistent/t.jsonl"], "No such file"),
+    (["--engine", "vllm", "--policies", "lru,oracle"], "--engine vllm runs lru and cachescout"),
+    (["--engine", "vllm", "--cpu-blocks", "100"], "GPU tier only"),
 ])
 def test_bad_arguments_fail_with_one_line(args, needle, capsys):
     assert main(["bench", "--quiet", "--no-sweeps", *args]) in (1, 2)
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err
+
+
+def test_engine_vllm_compares_both_engines(tmp_path, capsys):
+    out = tmp_path / "e.json"
+    rc = main(["bench", "--engine", "vllm", "--workloads", "gaia", "--sessions", "12", "--gpu-blocks", "1200",
+               "--jobs", "1", "--json", str(out), "--quiet"])
+    assert rc == 0
+    (workload,) = json.loads(out.read_text())["workloads"]
+    assert workload["engine"] == "vllm" and workload["gpu_blocks"] == 1200
+    lru, ours = workload["results"]
+    assert (lru["policy"], ours["policy"]) == ("lru", "cachescout")
+    for r in (lru, ours):
+        assert r["calls"] == workload["calls"]
+        assert r["engine_difference"] == pytest.approx(r["gpu_token_hit_rate"] - r["fast_gpu_token_hit_rate"])
+    assert ours["connector_us_per_step"] > 0 and 0 < ours["connector_step_overhead"] < 1
+    assert ours["connector"]["requests"] == workload["calls"]
+    assert "on vLLM" in capsys.readouterr().out
 
 
 def test_help_does_not_import_vllm():

@@ -139,3 +139,27 @@ def test_bad_config_exits_the_process():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert proc.returncode != 0
     assert "steer_ahead_blocks" in proc.stderr and "ConfigError" in proc.stderr
+
+
+def test_prometheus_counters_follow_the_stats(runs):
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    registry = CollectorRegistry()
+
+    def bound(cls):   # vLLM hands the metric classes in; these register into a private registry
+        return lambda *a, **k: cls(*a, registry=registry, **{x: y for x, y in k.items() if x != "multiprocess_mode"})
+
+    connector = runs["cachescout"][1].connector
+    prom = type(connector).build_prom_metrics(
+        connector._vllm_config, {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)},
+        ["model_name", "engine"], {0: ["m", "0"]})
+    connector._reported_at = float("-inf")
+    connector._reported = {}
+    data = connector.get_kv_connector_stats().to_dict()
+    prom.observe(data, 0)
+    prom.observe(data, 0)
+    labels = {"model_name": "m", "engine": "0"}
+    assert registry.get_sample_value("vllm:cachescout_requests_total", labels) == 2 * data["requests"]
+    assert registry.get_sample_value("vllm:cachescout_gpu_hit_tokens_total", labels) == 2 * data["gpu_hit_tokens"]
+    assert 0 < data["gpu_hit_tokens"] < data["prompt_tokens"]
+    assert registry.get_sample_value("vllm:cachescout_fallback_to_lru", labels) == 0
