@@ -20,6 +20,7 @@ from cachescout.policy import ConfigError
 from .settings import ConnectorSettings
 
 LMCACHE_CHUNK_SIZES = (64, 128, 256, 512)
+POLICY_NAME = "cachescout"   # LMCache's CPU-tier policy (lmcache_tier.py; the same name)
 
 
 def connector_entry(extra: Mapping[str, Any]) -> dict:
@@ -45,7 +46,8 @@ def lmcache_yaml(*, cpu_gib: float, redis_url: str | None, chunk_size: int = 256
         raise ConfigError(f"chunk_size must be one of {', '.join(map(str, LMCACHE_CHUNK_SIZES))}, got {chunk_size!r}")
     lines = [f"chunk_size: {chunk_size}",
              f"local_cpu: {'true' if cpu_gib > 0 else 'false'}",
-             f"max_local_cpu_size: {float(cpu_gib):g}"]
+             f"max_local_cpu_size: {float(cpu_gib):g}",
+             f"cache_policy: {POLICY_NAME}   # registered by CacheScoutConnector's worker side"]
     if redis_url:
         u = urlparse(redis_url)
         if u.scheme not in ("redis", "rediss") or not u.hostname:

@@ -6,8 +6,10 @@
 
 Scheduler side: every new request is handed to the policy core (agent, session, transitions), and
 once per step (`build_connector_meta`) the GPU prefix cache's free queue is reordered by the
-policy's eviction order (gpu_steering.py). The worker side moves no KV in this release: the GPU
-tier is steered, the CPU and Redis tiers (LMCache) are not wired in yet.
+policy's eviction order (gpu_steering.py). The worker side moves no KV itself: with LMCache's
+connector beside it (vLLM's MultiConnector, see deploy_config.py) it registers LMCache's
+`cachescout` CPU-tier policy and hands it the scheduler's per-agent reuse probabilities, sent with
+each step's connector metadata when they change (lmcache_tier.py).
 
 Each callback does O(1) work and queues the rest for the step; a failure inside CacheScout is
 counted and logged once, and vLLM keeps serving with its own LRU order.
@@ -45,7 +47,11 @@ log = logging.getLogger("cachescout.connector")
 
 
 class CacheScoutMetadata(KVConnectorMetadata):
-    """Nothing travels to the workers yet: the GPU steering happens on the scheduler."""
+    """What the workers get each step: the per-agent reuse probabilities, when they changed (for
+    the CPU-tier policy in LMCache, lmcache_tier.py). The GPU steering happens on the scheduler."""
+
+    def __init__(self, agent_scores: dict[str, float] | None = None) -> None:
+        self.agent_scores = agent_scores
 
 
 @dataclasses.dataclass
@@ -127,6 +133,16 @@ class CacheScoutConnector(KVConnectorBase_V1):
         self._reported_at = float("-inf")
         self._decision_s = 0.0
         self._steps = 0
+        self._scores_epoch = -1
+        self._lmcache: Any = None   # lmcache_tier, on workers where LMCache is installed
+        if role == KVConnectorRole.WORKER:
+            try:
+                from . import lmcache_tier
+            except ImportError:
+                log.info("CacheScout: LMCache is not installed; its CPU-tier policy is not registered")
+            else:
+                lmcache_tier.register()   # before LMCache's connector (after ours) builds its engine
+                self._lmcache = lmcache_tier
         if role == KVConnectorRole.SCHEDULER:
             self.policy = CacheScoutPolicy(self.settings.policy)
             self._steering = GpuSteering(self.policy, ahead_blocks=self.settings.steer_ahead_blocks,
@@ -187,6 +203,13 @@ class CacheScoutConnector(KVConnectorBase_V1):
                 log.exception("CacheScout: steering failed; vLLM's LRU order is used from now on")
             self._decision_s += time.perf_counter() - t0
             self._steps += 1
+            epoch = self.policy.index.epoch   # the scores were recomputed: send the new ones
+            if epoch != self._scores_epoch and not self._failed:
+                self._scores_epoch = epoch
+                try:
+                    return CacheScoutMetadata(self.policy.agent_reuse_probabilities())
+                except Exception:
+                    log.exception("CacheScout: could not compute agent scores for the workers")
         return CacheScoutMetadata()
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
@@ -221,7 +244,18 @@ class CacheScoutConnector(KVConnectorBase_V1):
                            per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics | None:
         return CacheScoutPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
-    # -- worker side: no KV moves in this release ---------------------------------------------------
+    # -- worker side: KV moves are LMCache's; CacheScout ranks its CPU tier -------------------------
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        scores = getattr(connector_metadata, "agent_scores", None)
+        if scores is not None and self._lmcache is not None:
+            self._lmcache.RANKING.update(scores)
+
+    def shutdown(self) -> None:
+        # vLLM shuts connectors down in order, ours before LMCache's: make LMCache's safe to run.
+        if self._lmcache is not None:
+            self._lmcache.defuse_shutdown_hang()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return None
 

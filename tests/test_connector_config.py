@@ -34,7 +34,7 @@ def test_tiers_yaml_loads_with_lmcache(tmp_path, capsys):
     from lmcache.v1.config import LMCacheEngineConfig
     cfg = LMCacheEngineConfig.from_file(str(tmp_path / "lm.yaml"))
     assert cfg.chunk_size == 128 and cfg.local_cpu and cfg.max_local_cpu_size == 4
-    assert cfg.remote_storage_plugins == ["redis"]
+    assert cfg.remote_storage_plugins == ["redis"] and cfg.cache_policy == "cachescout"
     assert cfg.extra_config["remote_storage_plugin.redis.redis_url"] == "redis://kv:6379"
 
 

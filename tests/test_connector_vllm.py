@@ -163,3 +163,37 @@ def test_prometheus_counters_follow_the_stats(runs):
     assert registry.get_sample_value("vllm:cachescout_gpu_hit_tokens_total", labels) == 2 * data["gpu_hit_tokens"]
     assert 0 < data["gpu_hit_tokens"] < data["prompt_tokens"]
     assert registry.get_sample_value("vllm:cachescout_fallback_to_lru", labels) == 0
+
+
+def test_workers_get_agent_scores_for_the_lmcache_tier(short_workload):
+    from lmcache.v1.storage_backend.cache_policy import POLICY_MAPPING
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from cachescout.connector import lmcache_tier
+    from cachescout.connector.lmcache_tier import CacheScoutCachePolicy
+
+    sessions, cfg = short_workload
+    replay = VllmReplay(cfg, "cachescout")
+    sent = []
+    real = replay.connector.build_connector_meta
+
+    def spy(out):
+        meta = real(out)
+        if meta.agent_scores is not None:
+            sent.append(meta.agent_scores)
+        return meta
+    replay.connector.build_connector_meta = spy
+    replay.run(sessions[:12])
+    assert 0 < len(sent) < replay.scheduler.connector._steps   # only when rescored, not every step
+    assert any(sent) and all(0.0 <= p <= 1.0 for scores in sent for p in scores.values())
+
+    worker = CacheScoutConnector(replay.connector._vllm_config, KVConnectorRole.WORKER,
+                                 replay.scheduler.kv_cache_config)
+    assert POLICY_MAPPING["CACHESCOUT"] is CacheScoutCachePolicy
+    try:
+        worker.bind_connector_metadata(type(replay.connector.build_connector_meta(
+            replay.scheduler.schedule()))({"coder": 0.75}))
+        assert dict(lmcache_tier.RANKING.scores()) == {"coder": 0.75}
+    finally:
+        lmcache_tier.RANKING.update({})
+    worker.shutdown()

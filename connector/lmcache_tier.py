@@ -1,0 +1,286 @@
+"""CacheScout in LMCache's tiers: a CPU-tier eviction policy and a Redis-to-CPU prefetcher.
+
+LMCache builds its CPU tier's policy by name (`cache_policy: cachescout` in its YAML) with no
+arguments, so the policy reads a process-wide `AgentRanking`. The scheduler side of the connector
+sends its per-agent reuse predictions to the workers with each step's connector metadata, and the
+worker side puts them there (vllm_connector.py). Chunks know their agent through LMCache's request
+tags (`lmcache.tag.agent`, part of LMCache's chunk key).
+
+- `CacheScoutCachePolicy`: among the oldest evictable chunks (a bounded window in LRU order) it
+  evicts the one whose agent is least likely to run soon; ties, untagged chunks and an empty
+  ranking give exactly LRU. Never returns a chunk LMCache marks as not evictable.
+- `Prefetcher`: one background thread with a bounded queue. `submit(tokens, tags)` asks for the
+  chunks of a predicted agent's anchor: those in Redis and not in the CPU tier are copied into the
+  CPU tier, at most `max_chunks` per request, and only if loading beats recomputing (`worth_it`).
+  A full queue drops the request (counted); `cancel()` drops what is queued; Redis errors are
+  counted and logged, never raised. Nothing here runs on vLLM's serving path.
+
+Importing this module imports LMCache (a few seconds); nothing else in the connector does unless
+the LMCache tier is in use.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from lmcache.v1.storage_backend import cache_policy as _lmcache_policies
+from lmcache.v1.storage_backend.cache_policy.base_policy import BaseCachePolicy
+
+from .deploy_config import POLICY_NAME   # `cache_policy: cachescout` in LMCache's YAML
+
+log = logging.getLogger("cachescout.connector")
+
+AGENT_TAG = "agent"             # LMCache request config `lmcache.tag.agent`
+EVICTION_WINDOW = 64            # oldest evictable chunks compared per eviction
+
+
+class AgentRanking:
+    """Per-agent probability of being called soon, replaced as a whole (readers never lock)."""
+
+    def __init__(self) -> None:
+        self._scores: Mapping[str, float] = {}
+        self.version = 0
+
+    def update(self, scores: Mapping[str, float]) -> None:
+        clean = {str(a): float(p) for a, p in scores.items() if isinstance(p, (int, float)) and 0.0 <= p <= 1.0}
+        self._scores = clean   # one reference swap: atomic for readers in other threads
+        self.version += 1
+
+    def scores(self) -> Mapping[str, float]:
+        return self._scores
+
+
+RANKING = AgentRanking()
+
+
+def agent_of(key: Any) -> str | None:
+    for name, value in getattr(key, "tags", None) or ():
+        if name == AGENT_TAG:
+            return value
+    return None
+
+
+class CacheScoutCachePolicy(BaseCachePolicy):
+    """LMCache CPU-tier policy: LRU order, the least likely agent first within the oldest chunks."""
+
+    def __init__(self, ranking: AgentRanking | None = None) -> None:
+        self.ranking = ranking if ranking is not None else RANKING
+        self.stats: Counter[str] = Counter()
+
+    def init_mutable_mapping(self) -> OrderedDict:
+        return OrderedDict()   # insertion order = LRU order; hits move to the end
+
+    def update_on_hit(self, key: Any, cache_dict: OrderedDict) -> None:
+        cache_dict.move_to_end(key)
+
+    def update_on_put(self, key: Any) -> None:
+        pass
+
+    def update_on_force_evict(self, key: Any) -> None:
+        pass
+
+    def get_evict_candidates(self, cache_dict: OrderedDict, num_candidates: int = 1) -> list:
+        scores = self.ranking.scores()
+        window: list[tuple[float, int, Any]] = []
+        limit = max(EVICTION_WINDOW, num_candidates)
+        for key, obj in cache_dict.items():
+            if not obj.can_evict:
+                continue
+            agent = agent_of(key) if scores else None
+            window.append((scores.get(agent, 0.0) if agent is not None else 0.0, len(window), key))
+            if len(window) >= limit:
+                break
+        if not window:
+            return []
+        window.sort()   # lowest probability first, then oldest
+        chosen = [key for _, _, key in window[:num_candidates]]
+        if window[0][1] != 0:
+            self.stats["steered"] += 1   # differs from what LRU would have evicted
+        self.stats["evictions"] += len(chosen)
+        return chosen
+
+
+def register() -> None:
+    """Make `cache_policy: cachescout` known to LMCache (before its engine is built)."""
+    _lmcache_policies.POLICY_MAPPING[POLICY_NAME.upper()] = CacheScoutCachePolicy
+
+
+class Prefetcher:
+    """Copies chunks of predicted agents' anchors from Redis into the CPU tier, in the background."""
+
+    def __init__(self, engine: Any, *, max_queue: int = 16, max_chunks: int = 64,
+                 worth_it: Callable[[int], bool] = lambda num_tokens: True) -> None:
+        """`engine`: an LMCacheEngine (post_init done). `worth_it(num_tokens)`: is loading that many
+        tokens from Redis faster than recomputing them (the cost model's answer)?"""
+        self.engine = engine
+        self.max_chunks = max_chunks
+        self.worth_it = worth_it
+        self.stats: Counter[str] = Counter()
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cachescout-prefetch", daemon=True)
+        self._thread.start()
+
+    def submit(self, tokens: Sequence[int], tags: Mapping[str, str] | None = None) -> bool:
+        """Queue a prefetch; False (and counted) when the queue is full or the prefetcher stopped."""
+        if self._stop.is_set():
+            return False
+        configs = {f"lmcache.tag.{k}": v for k, v in (tags or {}).items()}
+        try:
+            self._queue.put_nowait((list(tokens), configs))
+        except queue.Full:
+            self.stats["dropped_queue_full"] += 1
+            return False
+        self.stats["submitted"] += 1
+        return True
+
+    def cancel(self) -> int:
+        """Drop every queued request (the prediction changed); returns how many."""
+        n = 0
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                return n
+            self._queue.task_done()
+            n += 1
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """For tests and shutdown: True once everything queued has been handled."""
+        done = threading.Event()
+
+        def waiter() -> None:
+            self._queue.join()
+            done.set()
+        threading.Thread(target=waiter, daemon=True).start()
+        return done.wait(timeout)
+
+    def close(self, timeout: float = 2.0) -> None:
+        self._stop.set()
+        self.cancel()
+        try:
+            self._queue.put_nowait(None)   # wake the thread
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            item = self._queue.get()
+            try:
+                if item is not None:
+                    self._prefetch(*item)
+            except Exception as exc:   # Redis down, a bad chunk: count it, keep serving
+                self.stats["errors"] += 1
+                log.warning("CacheScout prefetch failed: %s", exc)
+            finally:
+                self._queue.task_done()
+
+    def _prefetch(self, tokens: list[int], configs: dict) -> None:
+        import torch
+
+        engine = self.engine
+        manager = engine.storage_manager
+        cpu = manager.storage_backends.get("LocalCPUBackend")
+        remote = manager.storage_backends.get("RemoteBackend")
+        if cpu is None or remote is None:
+            self.stats["skipped_no_tier"] += 1
+            return
+        wanted = []
+        for start, end, key in engine.token_database.process_tokens(torch.tensor(tokens), request_configs=configs):
+            if len(wanted) >= self.max_chunks:
+                break
+            if cpu.contains(key):
+                self.stats["already_in_cpu"] += 1
+                continue
+            wanted.append((end - start, key))
+        if not wanted:
+            return
+        if not self.worth_it(sum(n for n, _ in wanted)):
+            self.stats["skipped_slower_than_recompute"] += 1
+            return
+        keys = [key for _, key in wanted]
+        present = [k for k in keys if remote.contains(k)]
+        if not present:
+            self.stats["not_in_redis"] += len(keys)
+            return
+        objs = manager.batched_get(present, location="RemoteBackend")
+        loaded = 0
+        for obj in objs:
+            if obj is not None:
+                obj.ref_count_down()   # the CPU tier holds its own reference now
+                loaded += 1
+        self.stats["chunks_loaded"] += loaded
+        self.stats["requests_done"] += 1
+
+
+# -- LMCache's destroy() hangs with a redis:// tier: its Redis connector's close blocks the event
+# -- loop it runs on, waiting for work that needs that loop. The functions below avoid it.
+def _stop_loops(engine: Any) -> bool:
+    manager = getattr(engine, "storage_manager", None)
+    loop, thread = getattr(manager, "loop", None), getattr(manager, "thread", None)
+    if loop is None or thread is None:
+        return True
+    if loop.is_running():
+        loop.call_soon_threadsafe(loop.stop)
+    thread.join(2.0)
+    return not thread.is_alive()
+
+
+def _defuse_redis_close(engine: Any, timeout: float) -> None:
+    """LMCache's Redis connector closes its job executor with a blocking call made on the event
+    loop that the executor needs (a deadlock). Shut the executor down asynchronously from here
+    first, then make its blocking shutdown a no-op awaitable."""
+    import asyncio
+
+    manager = getattr(engine, "storage_manager", None)
+    loop = getattr(manager, "loop", None)
+    for backend in list(getattr(manager, "storage_backends", {}).values()):
+        conn = getattr(backend, "connection", None)
+        inner = getattr(conn, "_connector", conn)
+        pq = getattr(inner, "pq_executor", None)
+        if pq is None or loop is None or not hasattr(pq, "shutdown_async"):
+            continue
+        try:
+            asyncio.run_coroutine_threadsafe(pq.shutdown_async(wait=False), loop).result(timeout)
+        except Exception as exc:
+            log.warning("CacheScout: could not stop LMCache's Redis executor cleanly: %s", exc)
+        pq.shutdown = lambda wait=True: asyncio.sleep(0)
+
+
+def close_engine(instance_id: str, timeout: float = 5.0) -> bool:
+    """LMCacheEngineBuilder.destroy(instance_id), given `timeout` seconds; if it has not returned
+    by then, its event loop is stopped so that nothing keeps the process alive. True if destroy
+    finished by itself."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    engine = getattr(LMCacheEngineBuilder, "_instances", {}).get(instance_id)
+    if engine is not None:
+        _defuse_redis_close(engine, timeout)
+    worker = threading.Thread(target=LMCacheEngineBuilder.destroy, args=(instance_id,),
+                              name="cachescout-lmcache-destroy", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    if not worker.is_alive():
+        return True
+    log.warning("CacheScout: LMCache's destroy() did not return in %.0f s (its redis:// close waits on "
+                "its own event loop); stopping the loop so the process can exit", timeout)
+    if engine is not None:
+        _stop_loops(engine)
+    return False
+
+
+def defuse_shutdown_hang(timeout: float = 2.0) -> int:
+    """Before LMCache's own shutdown runs (vLLM calls ours first): make every LMCache engine of
+    this process safe to destroy. Returns how many engines were handled."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    engines = list(getattr(LMCacheEngineBuilder, "_instances", {}).values())
+    for engine in engines:
+        _defuse_redis_close(engine, timeout)
+    return len(engines)

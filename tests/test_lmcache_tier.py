@@ -1,0 +1,243 @@
+"""CacheScout in LMCache's own engine (LMCache 0.5.6 on CPU) with a real redis-server.
+
+The only stand-in is the GPU: `CpuKV` copies between a CPU tensor shaped like a paged KV cache
+([2, layers, tokens, hidden]) and LMCache's memory objects, where vLLM would use GPU kernels.
+"""
+
+import itertools
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+os.environ.setdefault("PYTHONHASHSEED", "0")
+
+from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
+from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
+from lmcache.v1.gpu_connector import GPUConnectorInterface  # noqa: E402
+from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
+
+from cachescout.connector import lmcache_tier  # noqa: E402
+from cachescout.connector.lmcache_tier import AgentRanking, CacheScoutCachePolicy, Prefetcher  # noqa: E402
+
+LAYERS, HIDDEN, CHUNK = 2, 64, 256
+CHUNK_BYTES = 2 * LAYERS * CHUNK * HIDDEN * 2       # float16
+CPU_CHUNKS = 80                                     # CPU tier capacity used below
+_ids = itertools.count()
+
+
+class CpuKV(GPUConnectorInterface):
+    """Stands in for the GPU KV cache (no GPU here): a CPU tensor [2, layers, tokens, hidden]."""
+
+    def get_shape(self, num_tokens):
+        return torch.Size([2, LAYERS, num_tokens, HIDDEN])
+
+    def from_gpu(self, memory_obj, start, end, **kw):
+        memory_obj.tensor.copy_(kw["kvcaches"][:, :, start:end, :])
+
+    def to_gpu(self, memory_obj, start, end, **kw):
+        kw["kvcaches"][:, :, start:end, :].copy_(memory_obj.tensor)
+
+    def batched_from_gpu(self, memory_objs, starts, ends, **kw):
+        for m, s, e in zip(memory_objs, starts, ends, strict=True):
+            self.from_gpu(m, s, e, **kw)
+
+    def batched_to_gpu(self, memory_objs=None, starts=None, ends=None, **kw):
+        for m, s, e in zip(memory_objs, starts, ends, strict=True):
+            self.to_gpu(m, s, e, **kw)
+
+
+_built: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _close_engines():
+    """Every engine a test builds is closed with the destroy-hang workaround."""
+    yield
+    while _built:
+        lmcache_tier.close_engine(_built.pop(), timeout=3.0)
+
+
+def build_engine(redis_url: str | None, policy: str):
+    lmcache_tier.register()
+    cfg = LMCacheEngineConfig.from_defaults(
+        chunk_size=CHUNK, local_cpu=True, max_local_cpu_size=CPU_CHUNKS * CHUNK_BYTES / 2**30,
+        remote_url=redis_url, remote_serde="naive" if redis_url else None, cache_policy=policy)
+    meta = LMCacheMetadata(model_name="m", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                           kv_dtype=torch.float16, kv_shape=(LAYERS, 2, CHUNK, 1, HIDDEN), chunk_size=CHUNK)
+    instance = f"cachescout-test-{next(_ids)}"
+    _built.append(instance)
+    engine = LMCacheEngineBuilder.get_or_create(instance, cfg, meta, CpuKV(), lambda *a: None, lambda *a: None)
+    engine.post_init()
+    return engine
+
+
+class Agent:
+    """A prompt prefix of `chunks` LMCache chunks, tagged with its agent, and its KV."""
+
+    def __init__(self, name: str, chunks: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.name = name
+        self.tokens = torch.randint(0, 50_000, (chunks * CHUNK,), generator=g)
+        self.kv = torch.randn(2, LAYERS, chunks * CHUNK, HIDDEN, generator=g).to(torch.float16)
+        self.configs = {"lmcache.tag.agent": name}
+
+    def keys(self, engine):
+        return [k for _, _, k in engine.token_database.process_tokens(self.tokens, request_configs=self.configs)]
+
+
+def cpu_tier(engine):
+    return engine.storage_manager.storage_backends["LocalCPUBackend"]
+
+
+def wait_for_redis(engine, agents, timeout=10.0):
+    """Stores are written through to Redis asynchronously: wait until every chunk is there."""
+    remote = engine.storage_manager.storage_backends["RemoteBackend"]
+    deadline = time.monotonic() + timeout
+    while not all(remote.contains(k) for a in agents for k in a.keys(engine)):
+        assert time.monotonic() < deadline, "chunks never reached Redis"
+        time.sleep(0.05)
+
+
+def store_in_order(engine, agents, redis=True):
+    for a in agents:
+        engine.store(a.tokens, kvcaches=a.kv, request_configs=a.configs)
+        if redis:
+            wait_for_redis(engine, [a])   # LMCache drops stores while the CPU tier waits on Redis
+
+
+def in_cpu(engine, agent):
+    cpu = cpu_tier(engine)
+    return sum(cpu.contains(k) for k in agent.keys(engine))
+
+
+@pytest.fixture
+def agents():
+    # 20 + 20 + 60 chunks through an 80-chunk CPU tier: 20 must go.
+    return Agent("coder", 20, 1), Agent("critic", 20, 2), Agent("searcher", 60, 3)
+
+
+def test_cachescout_policy_is_built_by_name(redis_server):
+    engine = build_engine(redis_server.url, "cachescout")
+    assert isinstance(cpu_tier(engine).cache_policy, CacheScoutCachePolicy)
+
+
+@pytest.mark.parametrize("ranked", [False, True])
+def test_policy_keeps_the_predicted_agents_chunks(redis_server, agents, ranked):
+    coder, critic, searcher = agents
+    lmcache_tier.RANKING.update({"coder": 0.9, "critic": 0.05, "searcher": 0.5} if ranked else {})
+    try:
+        engine = build_engine(redis_server.url, "cachescout")
+        store_in_order(engine, agents)
+        policy = cpu_tier(engine).cache_policy
+        assert policy.stats["evictions"] >= 20
+        if ranked:
+            # The oldest chunks are coder's, but coder is predicted next: critic's go instead.
+            assert in_cpu(engine, coder) == 20 and in_cpu(engine, critic) == 0
+            assert policy.stats["steered"] > 0
+        else:
+            # No ranking: exactly LRU, the oldest (coder's) go first.
+            assert in_cpu(engine, coder) == 0 and in_cpu(engine, critic) == 20
+            assert policy.stats["steered"] == 0
+        assert in_cpu(engine, searcher) == 60
+    finally:
+        lmcache_tier.RANKING.update({})
+
+
+def test_evicted_chunks_come_back_from_redis_bit_exact(redis_server, agents):
+    coder, critic, searcher = agents
+    engine = build_engine(redis_server.url, "lru")
+    store_in_order(engine, agents)
+    assert in_cpu(engine, coder) == 0
+    out = torch.zeros_like(coder.kv)
+    mask = engine.retrieve(coder.tokens, kvcaches=out, request_configs=coder.configs)
+    assert int(mask.sum()) == len(coder.tokens)
+    assert torch.equal(out, coder.kv)
+
+
+def test_prefetch_moves_predicted_chunks_from_redis_into_cpu(redis_server, agents):
+    coder, critic, searcher = agents
+    engine = build_engine(redis_server.url, "lru")
+    store_in_order(engine, agents)
+    assert in_cpu(engine, coder) == 0
+    prefetcher = Prefetcher(engine, max_chunks=64)
+    try:
+        assert prefetcher.submit(coder.tokens.tolist(), {"agent": "coder"})
+        assert prefetcher.wait_idle(20)
+        assert prefetcher.stats["chunks_loaded"] == 20 and prefetcher.stats["errors"] == 0
+        assert in_cpu(engine, coder) == 20
+        out = torch.zeros_like(coder.kv)
+        engine.retrieve(coder.tokens, kvcaches=out, request_configs=coder.configs)
+        assert torch.equal(out, coder.kv)
+        # Already there: nothing is loaded twice.
+        assert prefetcher.submit(coder.tokens.tolist(), {"agent": "coder"}) and prefetcher.wait_idle(20)
+        assert prefetcher.stats["chunks_loaded"] == 20 and prefetcher.stats["already_in_cpu"] >= 20
+    finally:
+        prefetcher.close()
+
+
+def test_prefetch_respects_the_cost_model_and_its_queue(redis_server, agents):
+    coder, _, _ = agents
+    engine = build_engine(redis_server.url, "lru")
+    store_in_order(engine, agents)
+    slow = Prefetcher(engine, worth_it=lambda tokens: False)
+    try:
+        slow.submit(coder.tokens.tolist(), {"agent": "coder"})
+        assert slow.wait_idle(20)
+        assert slow.stats["skipped_slower_than_recompute"] == 1 and in_cpu(engine, coder) == 0
+    finally:
+        slow.close()
+    stopped = Prefetcher(engine, max_queue=1)
+    stopped.close()
+    assert not stopped.submit(coder.tokens.tolist())
+
+
+def test_redis_stopped_mid_run_raises_nothing(redis_server, agents):
+    coder, critic, searcher = agents
+    engine = build_engine(redis_server.url, "cachescout")
+    store_in_order(engine, [coder, critic])
+    prefetcher = Prefetcher(engine)
+    try:
+        redis_server.stop()
+        late = Agent("summarizer", 8, 4)
+        engine.store(late.tokens, kvcaches=late.kv, request_configs=late.configs)   # no exception
+        store_in_order(engine, [searcher], redis=False)
+        out = torch.zeros_like(critic.kv)
+        mask = engine.retrieve(critic.tokens, kvcaches=out, request_configs=critic.configs)
+        # What is still in the CPU tier is served from there; the rest is recomputed, not an error.
+        hit = int(mask.sum())
+        assert torch.equal(out[:, :, :hit], critic.kv[:, :, :hit])
+        assert prefetcher.submit(coder.tokens.tolist(), {"agent": "coder"})
+        assert prefetcher.wait_idle(30)
+    finally:
+        prefetcher.close()
+
+
+def test_ranking_rejects_bad_values():
+    ranking = AgentRanking()
+    ranking.update({"a": 0.5, "b": 2.0, "c": "high", "d": -1})
+    assert dict(ranking.scores()) == {"a": 0.5}
+
+
+def test_close_never_hangs_the_process(tmp_path):
+    """LMCache's destroy() hangs with a redis:// tier; close_engine() returns and the process exits."""
+    code = f"""
+import sys, time
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import test_lmcache_tier as T
+from conftest import RedisServer
+from cachescout.connector import lmcache_tier
+server = RedisServer()
+engine = T.build_engine(server.url, "cachescout")
+T.store_in_order(engine, [T.Agent("x", 4, 1)])
+t0 = time.monotonic()
+clean = lmcache_tier.close_engine(T._built.pop(), timeout=3.0)
+server.stop()
+print("closed", clean, round(time.monotonic() - t0, 1))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "closed" in proc.stdout
