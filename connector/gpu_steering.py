@@ -77,6 +77,8 @@ class GpuSteering:
         self._placed_time = float("-inf")
         self.refresh_s: float | None = policy.cfg.rescore_interval_s   # None: re-place on any change
         self.stats: Counter[str] = Counter()
+        # agent -> (its anchor's token ids, the LMCache request configs its prompts carried)
+        self.anchors: dict[str, tuple[list[int], dict]] = {}
 
     # -- binding ----------------------------------------------------------------------------------
     def bind(self, pool: Any, req_blocks: Callable[[str], Sequence[Any]]) -> None:
@@ -126,7 +128,8 @@ class GpuSteering:
                 self.stats["bad_hints"] += len(bad)
             keys = keys_of[request.request_id] = [block_key(h) for h in request.block_hashes]
             self._waiting_blocks += len(keys) + 1
-            policy.observe(request.request_id, keys, tokens=request.prompt_token_ids, hints=hints, now=now)
+            obs = policy.observe(request.request_id, keys, tokens=request.prompt_token_ids, hints=hints, now=now)
+            self._note_anchor(request, obs)
         self._new.clear()
         unplanned = 0
         for rid, t in self._allocated.items():
@@ -167,6 +170,21 @@ class GpuSteering:
         upcoming = min(prefill + int(self._arrival_blocks), budget) + len(self._running)
         self._steer(max(self.ahead_blocks, int(self.ahead_factor * upcoming)), now)
 
+    def _note_anchor(self, request: Any, obs: Any) -> None:
+        """Remember each agent's anchor tokens (and LMCache tags), for prefetching it on workers."""
+        agent = obs.agent
+        n = obs.fingerprint.anchor_blocks * self.policy.cfg.block_size
+        if agent is None or not n or obs.fingerprint.agent is None:
+            return
+        known = self.anchors.get(agent)
+        if known is not None and len(known[0]) == n:
+            return
+        if known is None and len(self.anchors) >= self.policy.cfg.max_agents:
+            return
+        params = getattr(request, "kv_transfer_params", None) or {}
+        tags = {k: v for k, v in params.items() if isinstance(k, str) and k.startswith("lmcache.")}
+        self.anchors[agent] = (list(request.prompt_token_ids[:n]), tags)
+
     def _admit(self, t: _Tracked) -> None:
         """A request's first allocation: file its prompt blocks (hits are acquired)."""
         request = t.request
@@ -194,17 +212,23 @@ class GpuSteering:
             keys.extend(block_key(h) for h in hashes[len(keys):])
         start = i = t.filed
         n = min(len(hashes), len(blocks))
+        where_of, key_at = self._where, self._key_at
         while i < n:
             blk = blocks[i]
             bh = blk.block_hash
             if bh is None:
                 break
             key = keys[i]
-            old = self._key_at.get(blk.block_id)
-            if old is not None and old != key:
+            old = key_at.get(blk.block_id)
+            if old == key:
+                where = where_of.get(key)
+                if where is not None and where[0] is blk and where[1] is bh:
+                    i += 1   # a prefix hit on a block filed before: nothing to update
+                    continue
+            elif old is not None:
                 self._forget(old, blk)   # the block was evicted and now holds other content
-            self._where[key] = (blk, bh)
-            self._key_at[blk.block_id] = key
+            where_of[key] = (blk, bh)
+            key_at[blk.block_id] = key
             i += 1
         t.filed = i
         if i > t.prompt_blocks and t.prompt_blocks:

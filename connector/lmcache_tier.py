@@ -105,6 +105,14 @@ class CacheScoutCachePolicy(BaseCachePolicy):
         return chosen
 
 
+def current_engine() -> Any:
+    """This process's LMCache engine (a vLLM worker has one), or None."""
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+    engines = list(getattr(LMCacheEngineBuilder, "_instances", {}).values())
+    return engines[0] if len(engines) == 1 else None
+
+
 def register() -> None:
     """Make `cache_policy: cachescout` known to LMCache (before its engine is built)."""
     _lmcache_policies.POLICY_MAPPING[POLICY_NAME.upper()] = CacheScoutCachePolicy

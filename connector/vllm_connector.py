@@ -44,14 +44,17 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("cachescout.connector")
+_SCORES_INTERVAL_S = 1.0   # agent scores go to the workers at most this often
 
 
 class CacheScoutMetadata(KVConnectorMetadata):
     """What the workers get each step: the per-agent reuse probabilities, when they changed (for
     the CPU-tier policy in LMCache, lmcache_tier.py). The GPU steering happens on the scheduler."""
 
-    def __init__(self, agent_scores: dict[str, float] | None = None) -> None:
+    def __init__(self, agent_scores: dict[str, float] | None = None,
+                 prefetch: list[tuple[list[int], dict]] | None = None) -> None:
         self.agent_scores = agent_scores
+        self.prefetch = prefetch   # (anchor tokens, LMCache request configs) of agents predicted next
 
 
 @dataclasses.dataclass
@@ -134,6 +137,9 @@ class CacheScoutConnector(KVConnectorBase_V1):
         self._decision_s = 0.0
         self._steps = 0
         self._scores_epoch = -1
+        self._scores_sent_at = float("-inf")
+        self._prefetch_sent: set[str] = set()
+        self._prefetcher: Any = None
         self._lmcache: Any = None   # lmcache_tier, on workers where LMCache is installed
         if role == KVConnectorRole.WORKER:
             try:
@@ -203,14 +209,31 @@ class CacheScoutConnector(KVConnectorBase_V1):
                 log.exception("CacheScout: steering failed; vLLM's LRU order is used from now on")
             self._decision_s += time.perf_counter() - t0
             self._steps += 1
-            epoch = self.policy.index.epoch   # the scores were recomputed: send the new ones
-            if epoch != self._scores_epoch and not self._failed:
+            # Workers get the agents' scores after a rescoring, at most once a second (LMCache's
+            # CPU tier changes on that scale; computing them costs a pass over live sessions).
+            epoch = self.policy.index.epoch
+            now = steering.clock()
+            if epoch != self._scores_epoch and now - self._scores_sent_at >= _SCORES_INTERVAL_S and not self._failed:
                 self._scores_epoch = epoch
+                self._scores_sent_at = now
                 try:
-                    return CacheScoutMetadata(self.policy.agent_reuse_probabilities())
+                    probs = self.policy.next_agent_probabilities()
+                    scores = {agent: p * conf for agent, (p, conf) in probs.items()}   # 0 when unsure: LRU
+                    return CacheScoutMetadata(scores, self._prefetch_requests(probs))
                 except Exception:
                     log.exception("CacheScout: could not compute agent scores for the workers")
         return CacheScoutMetadata()
+
+    def _prefetch_requests(self, probs: dict[str, tuple[float, float]]) -> list[tuple[list[int], dict]]:
+        """Anchors of agents that just became likely enough to be called next (each once per
+        crossing of the thresholds, so a steady prediction is not re-sent every rescoring)."""
+        cfg = self.policy.cfg
+        likely = {a for a, (p, conf) in probs.items()
+                  if p >= cfg.prefetch_min_probability and conf >= cfg.prefetch_min_confidence
+                  and a in self._steering.anchors}
+        new = likely - self._prefetch_sent
+        self._prefetch_sent = likely
+        return [self._steering.anchors[a] for a in sorted(new)]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self._steering is not None:
@@ -247,11 +270,28 @@ class CacheScoutConnector(KVConnectorBase_V1):
     # -- worker side: KV moves are LMCache's; CacheScout ranks its CPU tier -------------------------
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
+        if self._lmcache is None:
+            return
         scores = getattr(connector_metadata, "agent_scores", None)
-        if scores is not None and self._lmcache is not None:
+        if scores is not None:
             self._lmcache.RANKING.update(scores)
+        for tokens, configs in getattr(connector_metadata, "prefetch", None) or ():
+            prefetcher = self._prefetcher or self._start_prefetcher()
+            if prefetcher is not None:
+                prefetcher.submit(tokens, {k[len("lmcache.tag."):]: v for k, v in configs.items()
+                                           if k.startswith("lmcache.tag.")})
+
+    def _start_prefetcher(self) -> Any:
+        """The prefetcher of this worker's LMCache engine (built by LMCache's connector), if any."""
+        engine = self._lmcache.current_engine()
+        if engine is None:
+            return None
+        self._prefetcher = self._lmcache.Prefetcher(engine)
+        return self._prefetcher
 
     def shutdown(self) -> None:
+        if self._prefetcher is not None:
+            self._prefetcher.close()
         # vLLM shuts connectors down in order, ours before LMCache's: make LMCache's safe to run.
         if self._lmcache is not None:
             self._lmcache.defuse_shutdown_hang()

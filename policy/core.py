@@ -320,21 +320,19 @@ class CacheScoutPolicy:
     def confidence(self) -> float:
         return self.scorer.confidence()
 
-    def agent_reuse_probabilities(self) -> dict[str, float]:
-        """Per agent (by its hinted name where it has one): probability that a live or arriving
-        session calls it next, scaled by the model's confidence (all zero: no opinion, LRU)."""
-        probs = {agent: p * conf for agent, (p, conf) in self.scorer.next_call_probabilities().items()}
+    def next_agent_probabilities(self) -> dict[str, tuple[float, float]]:
+        """Per agent (by its hinted name where it has one): (probability that a live or arriving
+        session calls it next, the model's confidence in that); hinted next agents are certain."""
+        probs = self.scorer.next_call_probabilities()
         for nxt in self._next_hint.values():
-            probs[nxt] = 1.0   # the framework said so
+            probs[nxt] = (1.0, 1.0)   # the framework said so
         return probs
 
     def plan_prefetch(self, locate: Locate, inflight_bytes: int = 0, now: float | None = None) -> list[PrefetchAction]:
         """Prefetch actions for the anchors and session contexts the next calls most likely need
         (see prefetch.py)."""
         now = self.clock() if now is None else now
-        probs = self.scorer.next_call_probabilities()
-        for nxt in self._next_hint.values():
-            probs[nxt] = (1.0, 1.0)   # the framework said so
+        probs = self.next_agent_probabilities()
         inverse = {v: k for k, v in self._aliases.items()}
         candidates = []
         for agent, (p, conf) in probs.items():

@@ -45,3 +45,17 @@ def test_unknown_key_lists_accepted_ones():
 def test_not_a_mapping():
     with pytest.raises(ConfigError, match="JSON object"):
         ConnectorSettings.from_extra_config([("steer_gpu", True)], block_size=16)
+
+
+def test_usage_doc_lists_every_setting_with_its_default():
+    import dataclasses
+    import pathlib
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "usage.md").read_text()
+    for f in dataclasses.fields(ConnectorSettings):
+        if f.name == "policy":
+            continue
+        default = str(f.default).lower() if isinstance(f.default, bool) else f"{f.default:g}"
+        assert f"| `{f.name}` | " in doc, f.name
+        row = doc.split(f"| `{f.name}` | ", 1)[1].split("\n", 1)[0]
+        assert default in row.split("|")[0], (f.name, default, row)

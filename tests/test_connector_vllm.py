@@ -177,15 +177,21 @@ def test_workers_get_agent_scores_for_the_lmcache_tier(short_workload):
     sent = []
     real = replay.connector.build_connector_meta
 
+    prefetch = []
+
     def spy(out):
         meta = real(out)
         if meta.agent_scores is not None:
             sent.append(meta.agent_scores)
+            prefetch.extend(meta.prefetch)
         return meta
     replay.connector.build_connector_meta = spy
-    replay.run(sessions[:12])
+    replay.run(sessions)
     assert 0 < len(sent) < replay.scheduler.connector._steps   # only when rescored, not every step
     assert any(sent) and all(0.0 <= p <= 1.0 for scores in sent for p in scores.values())
+    # Anchors of agents predicted next go to the workers for prefetching, not on every rescoring.
+    assert 0 < len(prefetch) < len(sent) * 6
+    assert all(tokens and len(tokens) % 16 == 0 and configs == {} for tokens, configs in prefetch)
 
     worker = CacheScoutConnector(replay.connector._vllm_config, KVConnectorRole.WORKER,
                                  replay.scheduler.kv_cache_config)

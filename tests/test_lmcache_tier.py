@@ -241,3 +241,27 @@ print("closed", clean, round(time.monotonic() - t0, 1))
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "closed" in proc.stdout
+
+
+def test_worker_connector_prefetches_what_the_scheduler_predicts(redis_server, agents):
+    """The worker side of CacheScoutConnector, given the scheduler's metadata, prefetches the
+    predicted agent's anchor from Redis into this process's LMCache CPU tier."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from cachescout.bench.vllm_replay import build_scheduler
+    from cachescout.connector.vllm_connector import CacheScoutConnector, CacheScoutMetadata
+
+    coder, _, _ = agents
+    engine = build_engine(redis_server.url, "cachescout")
+    store_in_order(engine, agents)
+    assert in_cpu(engine, coder) == 0
+    sched = build_scheduler(64, connector={})
+    worker = CacheScoutConnector(sched.connector._vllm_config, KVConnectorRole.WORKER, sched.kv_cache_config)
+    try:
+        worker.bind_connector_metadata(CacheScoutMetadata({"coder": 0.9}, [(coder.tokens.tolist(), coder.configs)]))
+        assert worker._prefetcher is not None and worker._prefetcher.wait_idle(20)
+        assert in_cpu(engine, coder) == 20
+        assert dict(lmcache_tier.RANKING.scores()) == {"coder": 0.9}
+    finally:
+        lmcache_tier.RANKING.update({})
+        worker.shutdown()
