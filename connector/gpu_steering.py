@@ -50,9 +50,12 @@ class GpuSteering:
     """Mirror of the GPU prefix cache for the policy core, and the free-queue reordering."""
 
     def __init__(self, policy: CacheScoutPolicy, *, ahead_blocks: int = 16, ahead_factor: float = 1.5,
-                 budget_tokens: int = 8192, clock: Callable[[], float] = time.monotonic) -> None:
-        """`budget_tokens`: vLLM's max_num_batched_tokens (what one step may compute)."""
+                 budget_tokens: int = 8192, steer: bool = True,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`budget_tokens`: vLLM's max_num_batched_tokens (what one step may compute); `steer`:
+        False observes, learns and reports but leaves vLLM's order alone."""
         self.policy = policy
+        self.steer = steer
         self.ahead_blocks = ahead_blocks
         self.ahead_factor = ahead_factor
         self.budget_tokens = budget_tokens
@@ -168,7 +171,8 @@ class GpuSteering:
                 prefill += left // bs + 1
         budget = self.budget_tokens // bs + 1
         upcoming = min(prefill + int(self._arrival_blocks), budget) + len(self._running)
-        self._steer(max(self.ahead_blocks, int(self.ahead_factor * upcoming)), now)
+        if self.steer:
+            self._steer(max(self.ahead_blocks, int(self.ahead_factor * upcoming)), now)
 
     def _note_anchor(self, request: Any, obs: Any) -> None:
         """Remember each agent's anchor tokens (and LMCache tags), for prefetching it on workers."""

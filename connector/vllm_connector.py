@@ -153,7 +153,8 @@ class CacheScoutConnector(KVConnectorBase_V1):
             self.policy = CacheScoutPolicy(self.settings.policy)
             self._steering = GpuSteering(self.policy, ahead_blocks=self.settings.steer_ahead_blocks,
                                          ahead_factor=self.settings.steer_ahead_factor,
-                                         budget_tokens=vllm_config.scheduler_config.max_num_batched_tokens)
+                                         budget_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                                         steer=self.settings.steer_gpu)
 
     @property
     def steering(self) -> GpuSteering | None:
@@ -176,7 +177,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
     # -- scheduler side -------------------------------------------------------------------------------
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        if self._steering is None or not self.settings.steer_gpu:
+        if self._steering is None:
             return
         managers = kv_cache_manager.coordinator.single_type_managers
         if len(managers) != 1:

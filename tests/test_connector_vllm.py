@@ -203,3 +203,25 @@ def test_workers_get_agent_scores_for_the_lmcache_tier(short_workload):
     finally:
         lmcache_tier.RANKING.update({})
     worker.shutdown()
+
+
+def test_steer_gpu_false_observes_but_leaves_vllms_order(runs, short_workload):
+    sessions, cfg = short_workload
+    replay = VllmReplay(cfg, "cachescout", {"steer_gpu": False})
+    result = replay.run(sessions)
+    lru = runs["lru"][2]
+    assert [c.hit_tokens for c in result.calls] == [c.hit_tokens for c in lru.calls]   # exactly vLLM's LRU
+    stats = replay.connector.policy.stats
+    assert stats["requests"] == len(result.calls) and stats["recognised"] > 0.9 * stats["requests"]
+    assert replay.connector.steering.stats["steered_blocks"] == 0
+
+
+def test_preemptions_keep_the_mirror_exact():
+    """A cache so small that vLLM preempts requests (and recomputes them): steering carries on."""
+    sessions = generate(WorkloadSpec(family="swebench", sessions=30, rate=4.0, seed=2))
+    replay = VllmReplay(EngineConfig(gpu_blocks=1200), "cachescout")
+    result = replay.run(sessions)
+    assert result.preemptions > 0
+    assert not replay.connector._failed and replay.connector.steering.stats["steered_blocks"] > 0
+    assert replay.pool_all_free()
+    assert len(result.calls) == sum(len(s.calls) for s in sessions)
