@@ -219,17 +219,16 @@ class GpuSteering:
         where_of, key_at = self._where, self._key_at
         while i < n:
             blk = blocks[i]
+            key = keys[i]
+            where = where_of.get(key)
+            if where is not None and where[0] is blk:
+                i += 1   # a prefix hit on a block filed before (the common case): nothing to update
+                continue
             bh = blk.block_hash
             if bh is None:
                 break
-            key = keys[i]
             old = key_at.get(blk.block_id)
-            if old == key:
-                where = where_of.get(key)
-                if where is not None and where[0] is blk and where[1] is bh:
-                    i += 1   # a prefix hit on a block filed before: nothing to update
-                    continue
-            elif old is not None:
+            if old is not None and old != key:
                 self._forget(old, blk)   # the block was evicted and now holds other content
             where_of[key] = (blk, bh)
             key_at[blk.block_id] = key
