@@ -64,12 +64,18 @@ kvt = kv_transfer_config({"steer_ahead_blocks": 8}, lmcache=True)
 vllm_replay.KVTransferConfig = lambda **_: KVTransferConfig(**kvt)
 sched = vllm_replay.build_scheduler(256, connector={})
 ours, lm = sched.connector._connectors
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+reg = CollectorRegistry()
+bind = lambda cls: (lambda *a, **k: cls(*a, registry=reg, **{x: y for x, y in k.items() if x != "multiprocess_mode"}))
+types = {Counter: bind(Counter), Gauge: bind(Gauge), Histogram: bind(Histogram)}
+prom = type(sched.connector).build_prom_metrics(sched.connector._vllm_config, types, ["engine"], {0: ["0"]})
 print(json.dumps([type(sched.connector).__name__, type(ours).__name__, type(lm).__name__,
-                  ours.steering.pool is sched.kv_cache_manager.block_pool, ours.settings.steer_ahead_blocks]))
+                  ours.steering.pool is sched.kv_cache_manager.block_pool, ours.settings.steer_ahead_blocks,
+                  type(prom._prom_metrics.get("CacheScoutConnector")).__name__]))
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
                           env={**__import__("os").environ, "LMCACHE_CONFIG_FILE": str(tmp_path / "lm.yaml"),
                                "PYTHONHASHSEED": "0"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got == ["MultiConnector", "CacheScoutConnector", "LMCacheConnectorV1", True, 8]
+    assert got == ["MultiConnector", "CacheScoutConnector", "LMCacheConnectorV1", True, 8, "CacheScoutPromMetrics"]
