@@ -103,12 +103,12 @@ OUTRO = """## Reading the figures
 - On vLLM's own scheduler the hit rates agree with the fast replay within 0.8 points for both
   policies on every workload (CacheScout a little lower: vLLM allocates a request in the step that
   first shows it to the connector, so some evictions happen before the policy has seen it). The
-  connector's own cost is 1.8-3.7% of a step on this 2-core machine (target 2%; wall time, noisy
+  connector's own cost is 1.3-3.0% of a step on this 2-core machine (target 2%; wall time, noisy
   by about a fifth between runs): the per-request bookkeeping (agent and session inference, the
   mirror of vLLM's blocks, releases) and the rescoring run on the scheduler's thread. That share is
   the cost with lock-step scheduling; vLLM 0.33 schedules asynchronously by default (the next step
   is scheduled while the GPU runs the current one), where the connector adds nothing as long as
-  scheduler and connector together stay under the GPU step (here 0.5-1.2 ms against 8-12 ms).
+  scheduler and connector together stay under the GPU step (here 0.4-0.9 ms against 8-12 ms).
 - `cachescout-hashonly`: without token ids one workflow's calls to different agents cannot be
   linked (see [policy.md](policy.md#known-limits)); CacheScout detects it and keeps to LRU order.
 """
