@@ -13,11 +13,18 @@ against it before any block is moved:
   blocks it fills later (chunked prefill, decode) when they get their hash;
 - a finished request's blocks are released once vLLM has freed them (`request_finished` runs just
   before the free, so this happens at the next step), for those whose reference count is now 0;
-- an eviction is noticed when a block that held a filed hash holds another one (or none).
+- an eviction is noticed when a block that held a filed hash holds another one (or none), or
+  when a placed victim has left the free queue; content vLLM computed into a second block is
+  found again through the pool's hash map (`cached_block_hash_to_block`) instead.
 
-This module imports nothing from vLLM: it reads the pool's public attributes (`blocks`,
-`free_block_queue`, `KVCacheBlock.block_hash`/`ref_cnt`) and uses the queue's own operations
-(`popleft_n`, `remove`, `prepend_n`).
+How many victims to place: the blocks the next step can allocate (prompt blocks still to compute
+of running and waiting requests, a decayed peak of what requests arriving between steps took, one
+per running decode), times `ahead_factor`, twice over so that a placement lasts a few steps. A
+placement stands while only blocks were freed since, for up to one rescoring interval.
+
+This module imports nothing from vLLM: it reads the pool's attributes (`free_block_queue`,
+`cached_block_hash_to_block`, `KVCacheBlock.block_hash`/`ref_cnt`/`block_id`) and uses the queue's
+own operations (`popleft_n`, `remove`, `prepend_n`).
 """
 
 from __future__ import annotations
@@ -31,8 +38,8 @@ from typing import Any
 from cachescout.policy import CacheScoutPolicy, Hints, block_key
 
 _MAX_STALE_ROUNDS = 4   # victim lists re-asked after dropping evicted blocks from the mirror
-_ARRIVAL_DECAY = 0.9    # per step
-_PLACE_FACTOR = 2   # victims placed per victim wanted: the list lasts a few steps
+_ARRIVAL_DECAY = 0.9    # per step, of the peak of blocks taken by requests arriving between steps
+_PLACE_FACTOR = 2       # victims placed per victim wanted: the list lasts a few steps
 
 
 @dataclasses.dataclass(slots=True)
