@@ -75,7 +75,7 @@ print(json.dumps([type(sched.connector).__name__, type(ours).__name__, type(lm).
 """
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240,
                           env={**__import__("os").environ, "LMCACHE_CONFIG_FILE": str(tmp_path / "lm.yaml"),
-                               "PYTHONHASHSEED": "0"})
+                               "PYTHONHASHSEED": "0", "LMCACHE_TRACK_USAGE": "false"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got == ["MultiConnector", "CacheScoutConnector", "LMCacheConnectorV1", True, 8, "CacheScoutPromMetrics"]

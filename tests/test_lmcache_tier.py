@@ -14,6 +14,7 @@ import pytest
 import torch
 
 os.environ.setdefault("PYTHONHASHSEED", "0")
+os.environ.setdefault("LMCACHE_TRACK_USAGE", "false")   # no usage telemetry from tests
 
 from lmcache.v1.cache_engine import LMCacheEngineBuilder  # noqa: E402
 from lmcache.v1.config import LMCacheEngineConfig  # noqa: E402
