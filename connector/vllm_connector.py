@@ -32,6 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorProm
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 from cachescout.policy import CacheScoutPolicy
+from cachescout.policy.costs import RebuildCost
 
 from .gpu_steering import GpuSteering
 from .settings import ConnectorSettings
@@ -287,7 +288,11 @@ class CacheScoutConnector(KVConnectorBase_V1):
         engine = self._lmcache.current_engine()
         if engine is None:
             return None
-        self._prefetcher = self._lmcache.Prefetcher(engine)
+        # Worth prefetching only if LMCache's later load from the CPU tier beats recomputing.
+        cost = RebuildCost(self.settings.policy)
+        bs = self.settings.policy.block_size
+        self._prefetcher = self._lmcache.Prefetcher(
+            engine, worth_it=lambda tokens: cost.worth_loading("cpu", max(1, tokens // bs)))
         return self._prefetcher
 
     def shutdown(self) -> None:

@@ -244,7 +244,8 @@ print("closed", clean, round(time.monotonic() - t0, 1))
     assert "closed" in proc.stdout
 
 
-def test_worker_connector_prefetches_what_the_scheduler_predicts(redis_server, agents):
+@pytest.mark.parametrize("cpu_load_gbps", [None, 1e-6])
+def test_worker_connector_prefetches_what_the_scheduler_predicts(redis_server, agents, cpu_load_gbps):
     """The worker side of CacheScoutConnector, given the scheduler's metadata, prefetches the
     predicted agent's anchor from Redis into this process's LMCache CPU tier."""
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -256,11 +257,17 @@ def test_worker_connector_prefetches_what_the_scheduler_predicts(redis_server, a
     engine = build_engine(redis_server.url, "cachescout")
     store_in_order(engine, agents)
     assert in_cpu(engine, coder) == 0
-    sched = build_scheduler(64, connector={})
+    # With a CPU tier slower than recomputing (per the policy's cost figures) nothing is prefetched.
+    settings = {} if cpu_load_gbps is None else {"policy": {"cpu_load_gbps": cpu_load_gbps}}
+    sched = build_scheduler(64, connector=settings)
     worker = CacheScoutConnector(sched.connector._vllm_config, KVConnectorRole.WORKER, sched.kv_cache_config)
     try:
         worker.bind_connector_metadata(CacheScoutMetadata({"coder": 0.9}, [(coder.tokens.tolist(), coder.configs)]))
         assert worker._prefetcher is not None and worker._prefetcher.wait_idle(20)
+        if cpu_load_gbps is not None:
+            assert in_cpu(engine, coder) == 0
+            assert worker._prefetcher.stats["skipped_slower_than_recompute"] == 1
+            return
         assert in_cpu(engine, coder) == 20
         assert dict(lmcache_tier.RANKING.scores()) == {"coder": 0.9}
     finally:
