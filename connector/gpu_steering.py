@@ -290,9 +290,13 @@ class GpuSteering:
 
     def _check(self, key: Hashable) -> Any:
         """The block holding `key` if it is still cached and free; fixes the mirror otherwise."""
-        if key not in self._where:
+        where = self._where.get(key)
+        if where is None:
             self.policy.blocks_evicted([key])   # never located: the policy must not keep it either
             return None
+        blk = where[0]
+        if blk.block_hash is where[1] and not blk.ref_cnt:
+            return blk   # unchanged since filed and free: the common case
         blk = self._located(key)
         if blk is None:
             return None
@@ -351,10 +355,6 @@ class GpuSteering:
             victims.clear()
             stale = False
             for key in self.policy.victims(_PLACE_FACTOR * want, now):
-                where = where_of.get(key)
-                if where is not None and where[0].block_hash is where[1] and not where[0].ref_cnt:
-                    victims.append(where[0])   # still cached and free: the common case, checked inline
-                    continue
                 blk = self._check(key)
                 if blk is None:
                     stale = True
