@@ -1,6 +1,7 @@
 """The connector's settings, read from vLLM's `kv_connector_extra_config`, validated at start-up.
 
-    {"policy": {...PolicyConfig settings...}, "steer_gpu": true, "steer_ahead_blocks": 16, ...}
+    {"policy": {...PolicyConfig settings...}, "steer_gpu": true, "steer_ahead_blocks": 16, ...,
+     "shared_state": {...SharedStateSettings, see shared_state.py...}}
 
 An unknown key, a wrong type or a value out of range raises ConfigError naming the field and what
 it accepts, before the engine serves anything.
@@ -15,6 +16,8 @@ from typing import Any
 
 from cachescout.policy import ConfigError, PolicyConfig
 
+from .shared_state import SharedStateSettings
+
 
 @dataclasses.dataclass(frozen=True)
 class ConnectorSettings:
@@ -22,6 +25,7 @@ class ConnectorSettings:
     steer_gpu: bool = True            # reorder vLLM's free queue by CacheScout's eviction order
     steer_ahead_blocks: int = 16      # at least this many next victims are put at the queue's head
     steer_ahead_factor: float = 1.5   # ... or this many times the most blocks the next step can allocate
+    shared_state: SharedStateSettings | None = None   # learn with the other replicas through Redis
 
     _LIMITS = {"steer_ahead_blocks": (1, 1_000_000), "steer_ahead_factor": (0, 1_000_000)}
 
@@ -31,7 +35,7 @@ class ConnectorSettings:
         if extra is not None and not isinstance(extra, Mapping):
             raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
         extra = dict(extra or {})
-        known = {"policy", "steer_gpu", "steer_ahead_blocks", "steer_ahead_factor"}
+        known = {"policy", "steer_gpu", "steer_ahead_blocks", "steer_ahead_factor", "shared_state"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; "
@@ -63,4 +67,7 @@ class ConnectorSettings:
                 kind = "an integer" if want_int else "a number"
                 raise ConfigError(f"kv_connector_extra_config: {name!r} must be {kind} in [{lo}, {hi}], "
                                   f"got {v!r}")
-        return cls(policy=policy_cfg, **extra)
+        shared = extra.pop("shared_state", None)
+        if shared is not None:
+            shared = SharedStateSettings.from_mapping(shared, "kv_connector_extra_config.shared_state")
+        return cls(policy=policy_cfg, shared_state=shared, **extra)

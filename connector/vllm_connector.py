@@ -36,6 +36,7 @@ from cachescout.policy.costs import RebuildCost
 
 from .gpu_steering import GpuSteering
 from .settings import ConnectorSettings
+from .shared_state import SharedLearnedState
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -97,6 +98,10 @@ PROM_COUNTERS = {
     "bad_hints": "malformed cachescout.* hints in kv_transfer_params (ignored)",
     "steps": "scheduler steps seen",
     "decision_s": "seconds spent in CacheScout's per-step work",
+    "state_flushes": "flushes of this replica's learned counts to the shared state",
+    "state_merges": "merged models built from every replica's counts",
+    "state_errors": "failed rounds with the shared-state Redis (auth errors included)",
+    "state_rejected_blobs": "shared-state entries rejected (corrupt, oversized, incompatible)",
 }
 
 
@@ -116,6 +121,11 @@ class CacheScoutPromMetrics(KVConnectorPromMetrics):
                                    documentation="CacheScout: 1 when steering failed and vLLM's LRU order is used",
                                    labelnames=labelnames, multiprocess_mode="mostrecent")
         self.fallback = create_metric_per_engine(fallback, per_engine_labelvalues)
+        degraded = self._gauge_cls(name="vllm:cachescout_shared_state_degraded",
+                                   documentation="CacheScout: 1 while the shared learned state is unreachable "
+                                                 "or misconfigured (serving and local learning go on)",
+                                   labelnames=labelnames, multiprocess_mode="mostrecent")
+        self.degraded = create_metric_per_engine(degraded, per_engine_labelvalues)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for key, per_engine in self.counters.items():
@@ -124,6 +134,8 @@ class CacheScoutPromMetrics(KVConnectorPromMetrics):
                 per_engine[engine_idx].inc(v)
         if transfer_stats_data.get("failed"):
             self.fallback[engine_idx].set(1)
+        if "state_degraded" in transfer_stats_data:
+            self.degraded[engine_idx].set(1 if transfer_stats_data["state_degraded"] > 0 else 0)
 
 
 class CacheScoutConnector(KVConnectorBase_V1):
@@ -135,6 +147,8 @@ class CacheScoutConnector(KVConnectorBase_V1):
         self._failed = False
         self._reported: dict[str, float] = {}
         self._reported_at = float("-inf")
+        self._reported_degraded = 0
+        self._shared: SharedLearnedState | None = None
         self._decision_s = 0.0
         self._steps = 0
         self._scores_epoch = -1
@@ -156,6 +170,13 @@ class CacheScoutConnector(KVConnectorBase_V1):
                                          ahead_factor=self.settings.steer_ahead_factor,
                                          budget_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                                          steer=self.settings.steer_gpu)
+            if self.settings.shared_state is not None:
+                self._shared = SharedLearnedState(
+                    self.settings.shared_state, half_life=self.settings.policy.transition_half_life,
+                    confidence_count_scale=self.settings.policy.confidence_count_scale,
+                    model=_model_name(vllm_config), hash_domain=_hash_domain(vllm_config))
+                self._shared.attach(self.policy)
+                self._shared.start()
 
     @property
     def steering(self) -> GpuSteering | None:
@@ -209,6 +230,13 @@ class CacheScoutConnector(KVConnectorBase_V1):
             except Exception:   # never take the scheduler down: fall back to vLLM's own order
                 self._failed = True
                 log.exception("CacheScout: steering failed; vLLM's LRU order is used from now on")
+            if self._shared is not None:
+                try:
+                    self._shared.on_step(self.policy)
+                except Exception:   # a bad merged model: keep predicting from what we have
+                    log.exception("CacheScout: could not install the shared model; sharing is off")
+                    self._shared.close(final_flush=False)
+                    self._shared = None
             self._decision_s += time.perf_counter() - t0
             self._steps += 1
             # Workers get the agents' scores after a rescoring, at most once a second (LMCache's
@@ -256,8 +284,20 @@ class CacheScoutConnector(KVConnectorBase_V1):
         now["decision_s"] = self._decision_s
         now["steps"] = self._steps
         now["failed"] = int(self._failed)
+        if self._shared is not None:
+            st = self._shared.stats
+            now["state_flushes"] = st["flush_ok"]
+            now["state_merges"] = st["merges"]
+            now["state_errors"] = st["errors"] + st["auth_errors"]
+            now["state_rejected_blobs"] = st["rejected_blobs"]
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
         self._reported = now
+        if self._shared is not None:
+            # A level, not a count: sent while degraded and once when it clears.
+            degraded = self._shared.status()["degraded"]
+            if degraded or self._reported_degraded:
+                delta["state_degraded"] = degraded
+            self._reported_degraded = degraded
         return CacheScoutStats(data=delta) if delta else None
 
     @classmethod
@@ -296,6 +336,9 @@ class CacheScoutConnector(KVConnectorBase_V1):
         return self._prefetcher
 
     def shutdown(self) -> None:
+        if self._shared is not None:
+            self._shared.close()   # last flush, bounded by the client's short timeouts
+            self._shared = None
         if self._prefetcher is not None:
             self._prefetcher.close()
         # vLLM shuts connectors down in order, ours before LMCache's: make LMCache's safe to run.
@@ -313,3 +356,24 @@ class CacheScoutConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+
+def _model_name(vllm_config: VllmConfig) -> str:
+    """The served model's name as a key part (characters Redis keys and hash tags can carry)."""
+    mc = vllm_config.model_config
+    name = mc.served_model_name if isinstance(getattr(mc, "served_model_name", None), str) else mc.model
+    return "".join(c if c.isalnum() or c in "._:/@=+-" else "-" for c in str(name))[:128] or "model"
+
+
+def _hash_domain(vllm_config: VllmConfig) -> str:
+    """Names agents are derived from vLLM's block hashes, which depend on the hash algorithm and
+    its seed (PYTHONHASHSEED); replicas can share what they learned only if both agree. A digest
+    of the two (a random seed gives a random digest, so such replicas refuse to share)."""
+    import hashlib
+
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import resolve_none_hash_seed
+
+    algo = vllm_config.cache_config.prefix_caching_hash_algo
+    seed = resolve_none_hash_seed(get_hash_fn_by_name(algo))
+    return hashlib.sha256(f"{algo}\0{seed}".encode()).hexdigest()[:16]

@@ -376,3 +376,15 @@ class CacheScoutPolicy:
             raise ValueError(f"snapshot half_life {snapshot.half_life} differs from this policy's "
                              f"transition_half_life {self.learner.half_life}")
         self.learner.absorb(snapshot.decayed_rows())
+
+    def install_learner(self, learner: TransitionLearner) -> None:
+        """Predict from `learner` from now on (a merged model built off the serving path).
+
+        The journal hook moves over, and the version jumps so every cached prediction is redone.
+        """
+        if learner.half_life != self.learner.half_life:
+            raise ValueError(f"learner half_life {learner.half_life} differs from this policy's "
+                             f"transition_half_life {self.learner.half_life}")
+        learner.version = self.learner.version + self.cfg.model_refresh_interval + 1
+        learner.journal = self.learner.journal
+        self.learner = self.sessions.learner = self.scorer.learner = learner

@@ -12,7 +12,7 @@ effective (decayed) count needs the weight. Rows are rescaled when the weight ge
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 START = "<start>"  # pseudo-agent: a session's first call is a transition out of it
 END = "<end>"      # pseudo-agent: a session that ends makes a transition into it
@@ -43,6 +43,9 @@ class TransitionLearner:
         self._rows: dict[str, _Row] = {}
         self._states: set[str] = set()  # every agent seen as a destination (END included)
         self.version = 0                  # bumped on every change; caches key on it
+        # Called with ("update", src, dst, weight) / ("forget", agent) for each change made from this
+        # replica's own traffic, so the shared state can keep its own counts apart from the peers'.
+        self.journal: Callable[[tuple], None] | None = None
 
     # -- learning -----------------------------------------------------------------------------
     def update(self, src: str, dst: str, weight: float = 1.0) -> None:
@@ -61,6 +64,8 @@ class TransitionLearner:
         if dst not in self._states:
             self._states.add(dst)
         self.version += 1
+        if self.journal is not None:
+            self.journal(("update", src, dst, weight))
 
     @staticmethod
     def _rescale(row: _Row) -> None:
@@ -112,6 +117,17 @@ class TransitionLearner:
                     row.total = 0.0
         self._states.discard(agent)
         self.version += 1
+        if self.journal is not None:
+            self.journal(("forget", agent))
+
+    def replay(self, op: tuple) -> None:
+        """Apply one journal entry (see `journal`)."""
+        if op[0] == "update":
+            self.update(op[1], op[2], op[3])
+        elif op[0] == "forget":
+            self.forget(op[1])
+        else:
+            raise ValueError(f"unknown journal entry {op[0]!r}")
 
     # -- reading ------------------------------------------------------------------------------
     def agents(self) -> set[str]:

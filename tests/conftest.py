@@ -12,6 +12,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 # -- a real redis-server on 127.0.0.1 -------------------------------------------------------------
 import shutil  # noqa: E402
+import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -20,22 +21,47 @@ import pytest  # noqa: E402
 
 
 class RedisServer:
-    """A redis-server process of our own on a free loopback port (no persistence)."""
+    """A redis-server process of our own on a free loopback port; no persistence unless `aof`.
 
-    def __init__(self) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"redis://127.0.0.1:{self.port}"
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    Faults for tests: `kill9()` then `start()` again (same port, same data directory), `pause()` /
+    `resume()` (SIGSTOP / SIGCONT)."""
+
+    def __init__(self, *, aof: bool = False, workdir: str | None = None, extra: list[str] | None = None,
+                 port: int | None = None, scheme: str = "redis") -> None:
+        if port is None:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+        self.port = port
+        self.url = f"{scheme}://127.0.0.1:{self.port}"
+        self.aof = aof
+        self.workdir = workdir
+        self.extra = list(extra or [])
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def args(self) -> list[str]:
+        args = ["redis-server", "--bind", "127.0.0.1", "--save", ""]
+        if "--tls-port" in self.extra:
+            args += ["--port", "0"]
+        else:
+            args += ["--port", str(self.port)]
+        args += ["--appendonly", "yes", "--appendfsync", "always"] if self.aof else ["--appendonly", "no"]
+        if self.workdir:
+            args += ["--dir", self.workdir]
+        return args + self.extra
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         while True:
             try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    if "--tls-port" in self.extra:
+                        return
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
                     c.sendall(b"PING\r\n")
-                    if c.recv(16).startswith(b"+PONG"):
+                    if c.recv(64).startswith((b"+PONG", b"-NOAUTH")):
                         return
             except OSError:
                 pass
@@ -44,8 +70,19 @@ class RedisServer:
                 raise RuntimeError("redis-server did not start")
             time.sleep(0.05)
 
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(5)
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
     def stop(self) -> None:
-        if self.proc.poll() is None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
             self.proc.terminate()
             try:
                 self.proc.wait(5)
@@ -53,12 +90,16 @@ class RedisServer:
                 self.proc.kill()
 
 
-@pytest.fixture
-def redis_server():
+def need_redis() -> None:
     if shutil.which("redis-server") is None:
         if os.environ.get("CI"):
             pytest.fail("redis-server is missing: .ci/run installs it")
         pytest.skip("redis-server is not installed")
+
+
+@pytest.fixture
+def redis_server():
+    need_redis()
     server = RedisServer()
     yield server
     server.stop()

@@ -24,3 +24,60 @@ def anchor(name: str, n: int, header: int = 0) -> list:
 
 def task(session: int, n: int = 3) -> list:
     return [("task", session, i) for i in range(n)]
+
+
+class StallingProxy:
+    """A TCP proxy to 127.0.0.1:`target` that goes silent while `stall` is true (a network that
+    drops packets: the client sees timeouts, not refused connections)."""
+
+    def __init__(self, target: int) -> None:
+        import socket
+        import threading
+
+        self.target = target
+        self.stall = False
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = self._server.getsockname()[1]
+        self._closed = False
+        self._threads: list = []
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._closed:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            for a, b in ((client, upstream), (upstream, client)):
+                t = threading.Thread(target=self._pump, args=(a, b), daemon=True)
+                t.start()
+
+    def _pump(self, src, dst) -> None:
+        try:
+            while True:
+                data = src.recv(65536)
+                if not data:
+                    break
+                if not self.stall:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def __enter__(self) -> "StallingProxy":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._closed = True
+        self._server.close()

@@ -1,0 +1,571 @@
+"""Learned transitions shared by every replica of a deployment, through Redis, off the serving path.
+
+    "kv_connector_extra_config": {"shared_state": {"url": "rediss://state-redis:6379/0",
+        "username": "cachescout", "password_env": "CACHESCOUT_STATE_PASSWORD", "deployment": "prod"}}
+
+How the counts flow (one `SharedLearnedState` per replica, on the scheduler side):
+
+    scheduler thread                          background thread ("cachescout-state")
+    policy.learner.update() --journal--> ops ---> shadow learner (this replica's own counts)
+                                                    every flush_interval_s:
+                                                      write own absolute counts  (state_store.py)
+                                                      read peers' and departed counts
+                                                      merged = own + peers + departed (age-weighted)
+    on_step(): install merged,  <---------------- publish (merged, last op folded in)
+               replay the few ops since
+
+The scheduler thread only appends to a deque and, when a merged model is ready, swaps it in and
+replays the handful of updates made since it was built. Redis is only touched by the background
+thread, with short timeouts, a bounded retry and a circuit breaker: Redis down, slow or returning
+garbage never reaches serving, local learning goes on, and `status()`/metrics say what is wrong.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import math
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+from urllib.parse import urlsplit
+
+from cachescout.policy import CacheScoutPolicy, ConfigError, StateDecodeError, TransitionLearner, TransitionSnapshot
+from cachescout.policy.state import MAX_BLOB_BYTES
+
+from .state_store import NAME_RULE, StateKeys, StateStore, StoreView
+
+log = logging.getLogger("cachescout.shared_state")
+
+_DEPARTED_FLOOR = 1e-3     # a departed blob weighing less than this is dropped (about 10 half-lives)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedStateSettings:
+    """Where and how replicas share their learned transitions (`shared_state` in the connector's
+    settings). Secrets are never values here: `password_env`/`password_file` name where the password is."""
+
+    url: str | None = None                   # redis://, rediss:// (TLS) or unix://; no password in it
+    sentinels: tuple[str, ...] = ()          # "host:port" of Sentinels; with sentinel_service, replaces url
+    sentinel_service: str | None = None
+    cluster: bool = False                    # url points at a Redis Cluster node
+    deployment: str = "default"
+    model: str | None = None                 # default: vLLM's model name
+    replica: str | None = None               # default: $POD_NAME, else the host name
+    username: str | None = None              # Redis ACL user
+    password_env: str | None = None
+    password_file: str | None = None
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    flush_interval_s: float = 5.0
+    timeout_s: float = 0.25
+    retries: int = 1
+    breaker_failures: int = 3
+    breaker_max_cooldown_s: float = 30.0
+    fold_after_s: float = 600.0              # a replica silent this long is folded into "departed"
+    departed_half_life_s: float = 3600.0     # a departed replica's counts halve in weight this often
+    replica_ttl_s: float = 7 * 86400.0
+    max_blob_bytes: int = 4 * 1024 * 1024
+    max_replicas: int = 256
+
+    _NUMBERS = {
+        "flush_interval_s": (0.05, 3600.0), "timeout_s": (0.01, 10.0), "breaker_max_cooldown_s": (0.1, 3600.0),
+        "fold_after_s": (0.15, 30 * 86400.0), "departed_half_life_s": (1.0, 365 * 86400.0),
+        "replica_ttl_s": (60.0, 365 * 86400.0),
+    }
+    _INTS = {"retries": (0, 5), "breaker_failures": (1, 100), "max_blob_bytes": (1024, MAX_BLOB_BYTES),
+             "max_replicas": (1, 10_000)}
+    _STRINGS = ("url", "sentinel_service", "deployment", "model", "replica", "username", "password_env",
+                "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file")
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], where: str = "shared_state") -> SharedStateSettings:
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
+                              f"accepted: {', '.join(sorted(known))}")
+        values = dict(raw)
+        for name in cls._STRINGS:
+            v = values.get(name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ConfigError(f"{where}.{name} must be a non-empty string, got {v!r}")
+        for name, (lo, hi) in cls._NUMBERS.items():
+            v = values.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
+                                  or not math.isfinite(v) or not lo <= v <= hi):
+                raise ConfigError(f"{where}.{name} must be a number in [{lo}, {hi}], got {v!r}")
+        for name, (lo, hi) in cls._INTS.items():
+            v = values.get(name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
+                raise ConfigError(f"{where}.{name} must be an integer in [{lo}, {hi}], got {v!r}")
+        if "cluster" in values and not isinstance(values["cluster"], bool):
+            raise ConfigError(f"{where}.cluster must be true or false, got {values['cluster']!r}")
+        sentinels = values.get("sentinels", ())
+        if not isinstance(sentinels, (list, tuple)) or not all(
+                isinstance(s, str) and _host_port(s) is not None for s in sentinels):
+            raise ConfigError(f"{where}.sentinels must be a list of \"host:port\" strings, got {sentinels!r}")
+        values["sentinels"] = tuple(sentinels)
+        s = cls(**values)
+        s._check(where)
+        return s
+
+    def _check(self, where: str) -> None:
+        if self.sentinels or self.sentinel_service:
+            if not (self.sentinels and self.sentinel_service):
+                raise ConfigError(f"{where}: 'sentinels' and 'sentinel_service' go together (give both)")
+            if self.cluster:
+                raise ConfigError(f"{where}: 'cluster' and 'sentinels' exclude each other")
+        elif self.url is None:
+            raise ConfigError(f"{where}: give 'url' (redis://, rediss:// or unix://) or 'sentinels' + "
+                              "'sentinel_service'")
+        if self.url is not None:
+            parts = urlsplit(self.url)
+            if parts.scheme not in ("redis", "rediss", "unix"):
+                raise ConfigError(f"{where}.url must start with redis://, rediss:// or unix://, got "
+                                  f"{parts.scheme + '://' if parts.scheme else self.url[:16]!r}")
+            if parts.password:
+                raise ConfigError(f"{where}.url must not hold a password (it would show in process arguments "
+                                  "and logs); use 'password_env' or 'password_file'")
+        if self.password_env and self.password_file:
+            raise ConfigError(f"{where}: give 'password_env' or 'password_file', not both")
+        if self.password_env and self.password_env not in os.environ:
+            raise ConfigError(f"{where}.password_env names ${self.password_env}, which is not set")
+        for name in ("password_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
+            path = getattr(self, name)
+            if path is not None and not os.access(path, os.R_OK):
+                raise ConfigError(f"{where}.{name}: cannot read {path!r}")
+        if self.fold_after_s < 3 * self.flush_interval_s * (1 - 1e-9):
+            raise ConfigError(f"{where}.fold_after_s ({self.fold_after_s}) must be at least 3 x flush_interval_s "
+                              f"({self.flush_interval_s}), or live replicas would be folded")
+        for name in ("deployment", "model", "replica"):
+            v = getattr(self, name)
+            if v is not None and not StateKeys.valid_name(v):
+                raise ConfigError(f"{where}.{name} must be {NAME_RULE}, got {v!r}")
+
+    def password(self) -> str | None:
+        if self.password_env:
+            return os.environ.get(self.password_env)
+        if self.password_file:
+            with open(self.password_file, encoding="utf-8") as f:
+                return f.read().strip()
+        return None
+
+    def replica_name(self) -> str:
+        name = self.replica or os.environ.get("POD_NAME") or socket.gethostname()
+        return name if StateKeys.valid_name(name) else "".join(c if c.isalnum() else "-" for c in name)[:128]
+
+    def target(self) -> str:
+        """Where the state lives, safe to log (no credentials)."""
+        if self.sentinels:
+            return f"sentinel {self.sentinel_service} via {','.join(self.sentinels)}"
+        parts = urlsplit(self.url or "")
+        host = parts.hostname or parts.path
+        return f"{parts.scheme}://{host}{':' + str(parts.port) if parts.port else ''}"
+
+
+def _host_port(s: str) -> tuple[str, int] | None:
+    host, _, port = s.rpartition(":")
+    return (host, int(port)) if host and port.isdigit() and 0 < int(port) < 65536 else None
+
+
+def connect(settings: SharedStateSettings) -> Any:
+    """A redis-py client that fails fast: short timeouts, one bounded retry, no long backoff."""
+    import redis
+    from redis.backoff import ConstantBackoff
+    from redis.retry import Retry
+
+    common: dict[str, Any] = {
+        "socket_timeout": settings.timeout_s, "socket_connect_timeout": settings.timeout_s,
+        "retry": Retry(ConstantBackoff(settings.timeout_s / 5), settings.retries),
+        "username": settings.username, "password": settings.password(),
+        "client_name": f"cachescout-{settings.replica_name()}"[:64],
+    }
+    tls = {k: v for k, v in (("ssl_ca_certs", settings.tls_ca_file), ("ssl_certfile", settings.tls_cert_file),
+                             ("ssl_keyfile", settings.tls_key_file)) if v}
+    if settings.sentinels:
+        from redis.sentinel import Sentinel
+        hosts = [_host_port(s) for s in settings.sentinels]
+        sentinel = Sentinel(hosts, sentinel_kwargs={k: common[k] for k in ("socket_timeout", "socket_connect_timeout",
+                                                                           "username", "password")},
+                            **({"ssl": True, **tls} if tls else {}))
+        return sentinel.master_for(settings.sentinel_service, **common)
+    if tls:
+        common.update(tls)
+    if settings.cluster:
+        from redis.cluster import RedisCluster
+        common.pop("retry")
+        return RedisCluster.from_url(settings.url, **common)
+    return redis.Redis.from_url(settings.url, **common)
+
+
+class CircuitBreaker:
+    """After `failures` failures in a row, refuse attempts for a cool-down that doubles each time
+    (up to `max_cooldown_s`); one success closes it."""
+
+    def __init__(self, failures: int, max_cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.threshold = failures
+        self.max_cooldown_s = max_cooldown_s
+        self.clock = clock
+        self.failures = 0
+        self.open_until = 0.0
+        self.opened = 0
+
+    def allow(self) -> bool:
+        return self.clock() >= self.open_until
+
+    @property
+    def is_open(self) -> bool:
+        return self.failures >= self.threshold
+
+    def success(self) -> None:
+        self.failures = 0
+        self.open_until = 0.0
+
+    def failure(self) -> None:
+        self.failures += 1
+        if self.failures >= self.threshold:
+            k = self.failures - self.threshold
+            self.open_until = self.clock() + min(self.max_cooldown_s, 0.5 * 2 ** min(k, 16))
+            self.opened += 1
+
+
+class _Peer:
+    __slots__ = ("key", "rows")
+
+    def __init__(self, key: tuple[int, int], rows: dict[str, dict[str, float]]) -> None:
+        self.key = key
+        self.rows = rows
+
+
+class SharedLearnedState:
+    """One replica's side of the shared state: own counts out, everyone's counts in (see module doc)."""
+
+    def __init__(self, settings: SharedStateSettings, *, half_life: float, confidence_count_scale: float = 8.0,
+                 model: str, hash_domain: str, client_factory: Callable[[SharedStateSettings], Any] = connect,
+                 clock: Callable[[], float] = time.monotonic, max_journal: int = 1_000_000) -> None:
+        self.settings = settings
+        self.replica = settings.replica_name()
+        self.keys = StateKeys(settings.deployment, settings.model or model)
+        self.half_life = float(half_life)
+        self.confidence_count_scale = float(confidence_count_scale)
+        self.hash_domain = hash_domain
+        self._client_factory = client_factory
+        self.clock = clock
+        self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_max_cooldown_s, clock)
+        self.stats: collections.Counter[str] = collections.Counter()
+        # Scheduler thread only.
+        self._seq = 0
+        self._recent: collections.deque = collections.deque(maxlen=65_536)
+        # Shared: appended by the scheduler thread, drained by the background thread (deque ops are atomic).
+        self._ops: collections.deque = collections.deque(maxlen=max_journal)
+        self._published: tuple[TransitionLearner, int] | None = None
+        # Background thread (or a caller of sync_now), under _lock.
+        self._lock = threading.Lock()
+        self._shadow = TransitionLearner(self.half_life, self.confidence_count_scale)
+        self._applied = 0
+        self._store: StateStore | None = None
+        self._epoch: str | None = None
+        self._my_epoch = secrets.token_hex(8)     # used if this replica creates the deployment's state
+        self._gen: int | None = None
+        self._flush_seq = 0
+        self._peers: dict[str, _Peer] = {}
+        self._bad_seen: set[tuple[str, int, int]] = set()
+        self.problem: str | None = None           # misconfiguration or supersession: sharing stopped
+        self.superseded = False                   # a newer process took this replica's name: for good
+        self._problem_logged_at = -math.inf
+        self.last_ok: float | None = None
+        self.peer_count = 0
+        self.departed_count = 0
+        self._failing_since: float | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- scheduler thread ---------------------------------------------------------------------
+    def attach(self, policy: CacheScoutPolicy) -> None:
+        if policy.learner.half_life != self.half_life:
+            raise ValueError("shared state and policy disagree on transition_half_life")
+        policy.learner.journal = self.record
+
+    def record(self, op: tuple) -> None:
+        """Journal one learner change (called by the learner; O(1))."""
+        self._seq += 1
+        item = (self._seq, op)
+        self._ops.append(item)
+        self._recent.append(item)
+
+    def on_step(self, policy: CacheScoutPolicy) -> bool:
+        """Once per scheduler step: swap in a merged model if one is ready. True when installed."""
+        pub = self._published
+        if pub is None:
+            return False
+        self._published = None
+        learner, upto = pub
+        tail = []
+        for item in reversed(self._recent):
+            if item[0] <= upto:
+                break
+            tail.append(item)
+        if tail and tail[-1][0] != upto + 1:
+            self.stats["install_skipped"] += 1   # the updates since it was built are no longer all at hand
+            return False
+        for _, op in reversed(tail):
+            learner.replay(op)
+        policy.install_learner(learner)
+        self.stats["installs"] += 1
+        return True
+
+    # -- background ---------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="cachescout-state", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self.sync_now()
+            if self._stop.wait(self.settings.flush_interval_s):
+                return
+
+    def close(self, final_flush: bool = True, timeout: float | None = None) -> None:
+        """Stop the thread; with `final_flush`, write the last counts (bounded by the client timeouts)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout if timeout is not None else 4 * self.settings.timeout_s + 1)
+            self._thread = None
+        if final_flush and self.problem is None:
+            self.sync_now(read=False)
+        store, self._store = self._store, None
+        if store is not None:
+            try:
+                store.r.close()
+            except Exception:  # noqa: BLE001 - closing a broken connection must not fail shutdown
+                pass
+
+    def sync_now(self, read: bool = True) -> bool:
+        """One round: journal into own counts, flush them, read everyone's, publish the merge.
+        Never raises; True when Redis answered."""
+        with self._lock:
+            self._drain()
+            if self.superseded or (self.problem is not None and self.clock() - self._problem_logged_at < 60):
+                return False
+            if not self.breaker.allow():
+                self.stats["breaker_skips"] += 1
+                return False
+            try:
+                self._round(read)
+            except Exception as exc:  # noqa: BLE001 - whatever Redis does, serving goes on
+                self._failed(exc)
+                return False
+            self.breaker.success()
+            if self.problem is not None:
+                return False
+            self.last_ok = self.clock()
+            if self._failing_since is not None:
+                log.warning("CacheScout shared state: %s answers again after %.1f s; state healed",
+                            self.settings.target(), self.clock() - self._failing_since)
+                self._failing_since = None
+            return True
+
+    def _drain(self) -> None:
+        ops = self._ops
+        shadow = self._shadow
+        while True:
+            try:
+                seq, op = ops.popleft()
+            except IndexError:
+                break
+            if seq != self._applied + 1:
+                self.stats["journal_lost"] += seq - self._applied - 1
+            shadow.replay(op)
+            self._applied = seq
+
+    def _failed(self, exc: Exception) -> None:
+        import redis.exceptions as rx
+        self.breaker.failure()
+        now = self.clock()
+        auth = isinstance(exc, (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)) or (
+            isinstance(exc, rx.ResponseError) and str(exc).startswith(("NOPERM", "WRONGPASS", "NOAUTH")))
+        if auth:
+            self.stats["auth_errors"] += 1
+            # Misconfiguration, not weather: say so every time the breaker lets a try through.
+            log.error("CacheScout shared state: Redis at %s refused access (%s: %s); check the ACL user "
+                      "and password (docs/usage.md, shared state)", self.settings.target(),
+                      type(exc).__name__, exc)
+        else:
+            self.stats["errors"] += 1
+            if self._failing_since is None:
+                log.warning("CacheScout shared state: %s unavailable (%s: %s); serving and local learning go "
+                            "on, retrying with back-off", self.settings.target(), type(exc).__name__, exc)
+        if self._failing_since is None:
+            self._failing_since = now
+
+    def _stop_sharing(self, why: str) -> None:
+        self.problem = why
+        self._problem_logged_at = self.clock()
+        self.stats["problems"] += 1
+        log.error("CacheScout shared state: %s; this replica keeps learning locally%s", why,
+                  "" if self.superseded else " and retries in 60 s")
+
+    # -- one round ----------------------------------------------------------------------------
+    def _round(self, read: bool) -> None:
+        s = self.settings
+        if self._store is None:
+            self._store = StateStore(self._client_factory(s), self.keys, max_blob_bytes=s.max_blob_bytes,
+                                     max_replicas=s.max_replicas)
+        store = self._store
+        ttl_ms = int(s.replica_ttl_s * 1000)
+        if self._epoch is None or self.problem is not None:
+            status, a, b = store.ensure_meta(self.half_life, self.hash_domain, self._epoch or self._my_epoch)
+            if status == "mismatch":
+                self._stop_sharing(
+                    f"deployment {self.keys.prefix!r} holds state with {a}={b!r} but this replica has "
+                    f"{a}={self._meta_value(a)!r}; replicas sharing state need the same transition_half_life and "
+                    "the same block hashing (PYTHONHASHSEED, prefix_caching_hash_algo)")
+                return
+            self.problem = None
+            if status == "created":
+                self.stats["meta_created"] += 1
+            self._adopt_epoch(a)
+        for _ in range(3):
+            if self._gen is None:
+                status, v = store.register(self.replica, self._epoch, ttl_ms)
+                if status == "epoch":
+                    self._epoch_changed(store, v)
+                    continue
+                self._gen, self._flush_seq = v, 0
+                self.stats["registrations"] += 1
+            self._flush_seq += 1
+            blob = TransitionSnapshot.of(self._shadow).encode()
+            status, v = store.flush(self.replica, self._epoch, self._gen, self._flush_seq, blob, ttl_ms)
+            self.stats[f"flush_{status}"] += 1
+            if status in ("ok", "dup"):
+                break
+            if status == "epoch":
+                self._epoch_changed(store, v)
+            elif status == "stale":
+                current = store.current_gen(self.replica)
+                if current is not None and current > self._gen:
+                    self.superseded = True
+                    self._stop_sharing(f"another process registered as replica {self.replica!r} (generation "
+                                       f"{current} > {self._gen}); this copy stops writing shared state")
+                    self._gen = None
+                    return
+                # Folded in by peers while silent (paused, partitioned): its counts up to the last
+                # flush are in "departed"; start a new life with the counts learned since.
+                self._shadow = TransitionLearner(self.half_life, self.confidence_count_scale)
+                self._gen = None
+                self.stats["refolded"] += 1
+        if read:
+            self._merge(store.read(skip=self.replica, known={n: p.key for n, p in self._peers.items()}), store)
+
+    def _meta_value(self, field: str) -> str:
+        return {"schema": "v1", "half_life": repr(self.half_life), "hash_domain": self.hash_domain}.get(field, "?")
+
+    def _adopt_epoch(self, epoch: str) -> None:
+        self._epoch = epoch
+        self._my_epoch = epoch   # if Redis loses everything, recreate the same epoch, do not reset peers
+
+    def _epoch_changed(self, store: StateStore, epoch: str) -> None:
+        if epoch in ("false", ""):
+            # The deployment's keys are gone (Redis restarted without persistence): recreate them with
+            # the same epoch; the flush that follows writes this replica's absolute counts back.
+            self.stats["meta_lost"] += 1
+            status, a, b = store.ensure_meta(self.half_life, self.hash_domain, self._epoch or self._my_epoch)
+            if status == "mismatch":
+                raise RuntimeError(f"state meta was recreated with {a}={b!r} by another replica")
+            if a == self._epoch:
+                return
+            epoch = a
+        # An operator reset the deployment (`cachescout state reset`): start the counts over.
+        log.warning("CacheScout shared state: deployment %r was reset; learned counts start over",
+                    self.keys.prefix)
+        self.stats["resets_seen"] += 1
+        self._adopt_epoch(epoch)
+        self._shadow = TransitionLearner(self.half_life, self.confidence_count_scale)
+        self._peers.clear()
+        self._gen = None
+
+    def _merge(self, view: StoreView, store: StateStore) -> None:
+        s = self.settings
+        peers: dict[str, _Peer] = {}
+        for entry in view.malformed:
+            self._reject(entry, 0, 0, "bookkeeping fields are not integers")
+        for b in view.replicas + view.departed:
+            key = (b.gen, b.seq)
+            if b.blob is None:
+                self._reject(b.name, b.gen, b.seq, f"{b.size} bytes, over max_blob_bytes {s.max_blob_bytes}")
+                continue
+            old = self._peers.get(b.name)
+            if old is not None and old.key == key:
+                peers[b.name] = old
+                continue
+            if not b.blob:
+                continue     # registered, nothing flushed yet
+            try:
+                snap = TransitionSnapshot.decode(b.blob)
+            except StateDecodeError as exc:
+                self._reject(b.name, b.gen, b.seq, str(exc))
+                continue
+            if snap.half_life != self.half_life:
+                self._reject(b.name, b.gen, b.seq, f"half_life {snap.half_life} != {self.half_life}")
+                continue
+            peers[b.name] = _Peer(key, snap.decayed_rows())
+        self._peers = peers
+        # Fold in replicas that stopped flushing; drop departed counts that no longer weigh anything.
+        fold_ms = s.fold_after_s * 1000
+        for b in view.replicas:
+            if view.now_ms - b.at_ms > fold_ms:
+                if store.fold(b.name, b.gen, b.seq) == "folded":
+                    self.stats["folds"] += 1
+                    log.info("CacheScout shared state: replica %r silent for %.0f s, folded into departed",
+                             b.name, (view.now_ms - b.at_ms) / 1000)
+        half_ms = s.departed_half_life_s * 1000
+        pruned = store.prune_departed(int(view.now_ms - half_ms * math.log2(1 / _DEPARTED_FLOOR)))
+        self.stats["departed_pruned"] += pruned
+        merged = TransitionLearner(self.half_life, self.confidence_count_scale)
+        merged.absorb(self._shadow.decayed_rows())
+        departed = {b.name: b.at_ms for b in view.departed}
+        for name, peer in peers.items():
+            at = departed.get(name)
+            if at is None:
+                merged.absorb(peer.rows)
+                continue
+            w = 0.5 ** (max(0, view.now_ms - at) / half_ms)
+            if w >= _DEPARTED_FLOOR:
+                merged.absorb({src: {dst: c * w for dst, c in row.items()} for src, row in peer.rows.items()})
+        self.peer_count = len(view.replicas)
+        self.departed_count = len(view.departed)
+        self._published = (merged, self._applied)
+        self.stats["merges"] += 1
+
+    def _reject(self, name: str, gen: int, seq: int, why: str) -> None:
+        tag = (name, gen, seq)
+        if tag in self._bad_seen:
+            return
+        if len(self._bad_seen) > 10_000:
+            self._bad_seen.clear()
+        self._bad_seen.add(tag)
+        self.stats["rejected_blobs"] += 1
+        log.warning("CacheScout shared state: ignored the entry of %r (gen %d, seq %d): %s", name, gen, seq,
+                    why[:200])
+
+    # -- for metrics and `cachescout state` -------------------------------------------------------
+    def status(self) -> dict[str, Any]:
+        now = self.clock()
+        return {
+            "replica": self.replica, "target": self.settings.target(), "key_prefix": self.keys.prefix,
+            "degraded": int(self.problem is not None or self._failing_since is not None),
+            "problem": self.problem, "breaker_open": int(self.breaker.is_open),
+            "last_ok_age_s": None if self.last_ok is None else round(now - self.last_ok, 3),
+            "peers": self.peer_count, "departed": self.departed_count, "generation": self._gen,
+            "flush_seq": self._flush_seq, **{k: int(v) for k, v in sorted(self.stats.items())},
+        }

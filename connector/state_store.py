@@ -1,0 +1,316 @@
+"""Where replicas keep their learned transitions in Redis: the key schema and every operation on it.
+
+All keys of one deployment and model share one hash tag, so they live in one Redis Cluster slot and
+every multi-key step runs as one Lua script, atomically, on a single Redis, behind Sentinel or on a
+Cluster alike:
+
+    cs:{<deployment>|<model>}:v1:meta            hash: schema, half_life, hash_domain, epoch
+    cs:{...}:v1:replicas                          zset: replica -> server time (ms) of its last flush
+    cs:{...}:v1:rep:<replica>                     hash: gen, seq, at, blob (msgpack TransitionSnapshot)
+    cs:{...}:v1:gen:<replica>                     int: generation of the replica's current life
+    cs:{...}:v1:departed / departed_at            hash + zset: blobs folded in from replicas gone away
+
+Why this shape:
+- Each replica writes only its own absolute (decayed) counts, so a retried flush rewrites the same
+  value, and readers sum the blobs: nothing is ever incremented twice.
+- A flush carries (epoch, gen, seq); the script refuses it when the deployment was reset (epoch),
+  when a newer life of the replica exists (gen: an old copy cannot overwrite a newer one), or when
+  the same or a later flush already landed (seq: a duplicate is a no-op).
+- A replica's previous life (restart under the same name) and a replica silent for too long are
+  moved, blob unchanged, into `departed` in one script that also bumps the generation, so its
+  counts are neither lost nor counted twice if it comes back. Departed blobs weigh less with age
+  and are dropped once negligible.
+- The server's clock (TIME) stamps every flush, so replicas' clocks never matter.
+- `v1` is the schema version: a future format gets new keys and never misreads these.
+
+Nothing here catches Redis errors: the caller (shared_state.py) owns retries and the breaker.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+SCHEMA = "v1"
+_NAME = re.compile(r"^[A-Za-z0-9._:/@=+-]{1,128}$")
+NAME_RULE = "1-128 characters from letters, digits and . _ : / @ = + -"
+
+# KEYS: meta. ARGV: schema, half_life, hash_domain, epoch to create with.
+# -> {'created', epoch} | {'ok', epoch} | {'mismatch', field, theirs}
+_ENSURE_META = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('HSET', KEYS[1], 'schema', ARGV[1], 'half_life', ARGV[2], 'hash_domain', ARGV[3], 'epoch', ARGV[4])
+  return {'created', ARGV[4]}
+end
+local m = redis.call('HMGET', KEYS[1], 'schema', 'half_life', 'hash_domain', 'epoch')
+local names = {'schema', 'half_life', 'hash_domain'}
+for i = 1, 3 do
+  if m[i] ~= ARGV[i] then return {'mismatch', names[i], tostring(m[i])} end
+end
+return {'ok', m[4]}
+"""
+
+# Moves the blob of rep hash KEYS[1] (if any) into departed (KEYS[2] hash, KEYS[3] zset) as field
+# ARGV[1]#<gen>. Shared by register and fold.
+_FOLD_BODY = """
+local function fold(rep, dep, dep_at, name)
+  local old = redis.call('HMGET', rep, 'gen', 'at', 'blob')
+  if old[3] and string.len(old[3]) > 0 then
+    local field = name .. '#' .. tostring(old[1])
+    redis.call('HSET', dep, field, old[3])
+    redis.call('ZADD', dep_at, tonumber(old[2]) or 0, field)
+  end
+  redis.call('DEL', rep)
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+# KEYS: meta, gen, rep, replicas, departed, departed_at. ARGV: name, epoch, ttl_ms.
+# A new life of replica `name`: its previous life's blob goes to departed. -> {'ok', gen} | {'epoch', e}
+_REGISTER = _FOLD_BODY + """
+local e = redis.call('HGET', KEYS[1], 'epoch')
+if e ~= ARGV[2] then return {'epoch', tostring(e)} end
+local g = redis.call('INCR', KEYS[2])
+fold(KEYS[3], KEYS[5], KEYS[6], ARGV[1])
+local now = now_ms()
+redis.call('HSET', KEYS[3], 'gen', g, 'seq', 0, 'at', now)
+redis.call('PEXPIRE', KEYS[3], ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[3])
+redis.call('ZADD', KEYS[4], now, ARGV[1])
+return {'ok', g}
+"""
+
+# KEYS: meta, gen, rep, replicas. ARGV: name, epoch, gen, seq, blob, ttl_ms.
+# -> {'ok', at} | {'dup', seq} | {'stale', gen} | {'epoch', e} (e is 'false' when meta is gone)
+_FLUSH = _FOLD_BODY + """
+local e = redis.call('HGET', KEYS[1], 'epoch')
+if e ~= ARGV[2] then return {'epoch', tostring(e)} end
+local g = tonumber(ARGV[3])
+local cur = tonumber(redis.call('GET', KEYS[2]) or '0')
+if cur > g then return {'stale', cur} end
+local h = redis.call('HMGET', KEYS[3], 'gen', 'seq')
+if h[1] then
+  if tonumber(h[1]) > g then return {'stale', tonumber(h[1])} end
+  if tonumber(h[1]) == g and tonumber(h[2]) >= tonumber(ARGV[4]) then return {'dup', tonumber(h[2])} end
+end
+-- Here the rep hash is this life's, or it is gone (expired, or Redis lost its data without
+-- persistence) and this replica writes its absolute counts back.
+redis.call('SET', KEYS[2], g)
+local now = now_ms()
+redis.call('HSET', KEYS[3], 'gen', g, 'seq', ARGV[4], 'at', now, 'blob', ARGV[5])
+redis.call('PEXPIRE', KEYS[3], ARGV[6])
+redis.call('PEXPIRE', KEYS[2], ARGV[6])
+redis.call('ZADD', KEYS[4], now, ARGV[1])
+return {'ok', now}
+"""
+
+# KEYS: gen, rep, replicas, departed, departed_at. ARGV: name, gen, seq seen by the caller.
+# Folds a silent replica only if it has not flushed since the caller looked. -> 'folded' | 'changed' | 'gone'
+_FOLD = _FOLD_BODY + """
+local h = redis.call('HMGET', KEYS[2], 'gen', 'seq')
+if not h[1] then redis.call('ZREM', KEYS[3], ARGV[1]); return 'gone' end
+if h[1] ~= ARGV[2] or h[2] ~= ARGV[3] then return 'changed' end
+fold(KEYS[2], KEYS[4], KEYS[5], ARGV[1])
+redis.call('ZREM', KEYS[3], ARGV[1])
+redis.call('INCR', KEYS[1])
+return 'folded'
+"""
+
+# KEYS: departed, departed_at. ARGV: cutoff (ms). Drops departed blobs stamped before the cutoff.
+_PRUNE = """
+local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[1])
+for _, f in ipairs(old) do
+  redis.call('HDEL', KEYS[1], f)
+  redis.call('ZREM', KEYS[2], f)
+end
+return #old
+"""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StoredBlob:
+    """One stored snapshot as read: `blob` is None when it was too large to fetch."""
+
+    name: str      # replica name, or "<replica>#<gen>" for a departed one
+    gen: int
+    seq: int
+    at_ms: int     # server time of the flush
+    size: int
+    blob: bytes | None
+
+
+@dataclasses.dataclass(slots=True)
+class StoreView:
+    now_ms: int
+    meta: dict[str, str]
+    replicas: list[StoredBlob]
+    departed: list[StoredBlob]
+    malformed: list[str]   # entries whose bookkeeping fields were not integers (written by someone else)
+
+
+class StateKeys:
+    def __init__(self, deployment: str, model: str) -> None:
+        for field, v in (("deployment", deployment), ("model", model)):
+            if not isinstance(v, str) or not _NAME.match(v):
+                raise ValueError(f"shared_state.{field} must be {NAME_RULE}, got {v!r}")
+        self.prefix = f"cs:{{{deployment}|{model}}}:{SCHEMA}:"
+        self.meta = self.prefix + "meta"
+        self.replicas = self.prefix + "replicas"
+        self.departed = self.prefix + "departed"
+        self.departed_at = self.prefix + "departed_at"
+
+    @staticmethod
+    def valid_name(name: str) -> bool:
+        return isinstance(name, str) and bool(_NAME.match(name))
+
+    def rep(self, name: str) -> str:
+        return f"{self.prefix}rep:{name}"
+
+    def gen(self, name: str) -> str:
+        return f"{self.prefix}gen:{name}"
+
+
+def _text(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def _int(v: Any) -> int | None:
+    try:
+        return int(_text(v))
+    except (TypeError, ValueError):
+        return None
+
+
+class StateStore:
+    """The operations on one deployment's keys, over a redis-py client (plain, Sentinel or Cluster)."""
+
+    def __init__(self, client: Any, keys: StateKeys, *, max_blob_bytes: int, max_replicas: int = 256) -> None:
+        self.r = client
+        self.keys = keys
+        self.max_blob_bytes = max_blob_bytes
+        self.max_replicas = max_replicas
+        self._ensure_meta = client.register_script(_ENSURE_META)
+        self._register = client.register_script(_REGISTER)
+        self._flush = client.register_script(_FLUSH)
+        self._fold = client.register_script(_FOLD)
+        self._prune = client.register_script(_PRUNE)
+
+    # -- one replica's own writes -------------------------------------------------------------------
+    def ensure_meta(self, half_life: float, hash_domain: str, epoch: str) -> tuple[str, str, str]:
+        """(status, a, b): ('created'|'ok', epoch, '') or ('mismatch', field, their value)."""
+        out = self._ensure_meta(keys=[self.keys.meta], args=[SCHEMA, repr(float(half_life)), hash_domain, epoch])
+        out = [_text(x) for x in out]
+        return out[0], out[1], out[2] if len(out) > 2 else ""
+
+    def register(self, name: str, epoch: str, ttl_ms: int) -> tuple[str, Any]:
+        k = self.keys
+        out = self._register(keys=[k.meta, k.gen(name), k.rep(name), k.replicas, k.departed, k.departed_at],
+                             args=[name, epoch, ttl_ms])
+        return _text(out[0]), (_int(out[1]) if _text(out[0]) == "ok" else _text(out[1]))
+
+    def flush(self, name: str, epoch: str, gen: int, seq: int, blob: bytes, ttl_ms: int) -> tuple[str, Any]:
+        k = self.keys
+        out = self._flush(keys=[k.meta, k.gen(name), k.rep(name), k.replicas],
+                          args=[name, epoch, gen, seq, blob, ttl_ms])
+        status = _text(out[0])
+        return status, (_text(out[1]) if status == "epoch" else _int(out[1]))
+
+    def current_gen(self, name: str) -> int | None:
+        """Generation of the replica's stored blob, None when there is none."""
+        return _int(self.r.hget(self.keys.rep(name), "gen"))
+
+    # -- everyone's state ---------------------------------------------------------------------
+    def read(self, *, skip: str | None = None, known: dict[str, tuple[int, int]] | None = None) -> StoreView:
+        """Everything stored, in two or three round trips. Blobs over the size limit are not fetched;
+        blobs whose (gen, seq) is in `known` are not fetched again (their `blob` is b"")."""
+        k = self.keys
+        p = self.r.pipeline(transaction=False)
+        p.time()
+        p.hgetall(k.meta)
+        p.zrange(k.replicas, 0, self.max_replicas - 1, withscores=True)
+        p.zrange(k.departed_at, 0, self.max_replicas - 1, withscores=True)
+        (sec, usec), meta, reps, deps = p.execute()
+        now_ms = int(sec) * 1000 + int(usec) // 1000
+        names = [_text(n) for n, _ in reps if _text(n) != skip]
+        fields = [_text(f) for f, _ in deps]
+        p = self.r.pipeline(transaction=False)
+        for n in names:
+            p.hmget(k.rep(n), "gen", "seq", "at")
+            p.hstrlen(k.rep(n), "blob")
+        for f in fields:
+            p.hstrlen(k.departed, f)
+        # A key of the wrong type (written by someone else) answers with an error, not an exception.
+        got = p.execute(raise_on_error=False)
+        malformed: list[str] = []
+        replicas: list[StoredBlob] = []
+        want: list[tuple[str, str, str]] = []   # (kind, name, key) to fetch
+        for i, n in enumerate(names):
+            fields, size = got[2 * i], got[2 * i + 1]
+            if isinstance(fields, Exception) or isinstance(size, Exception):
+                malformed.append(n)
+                continue
+            (g, s, a), size = fields, int(size)
+            if g is None:
+                continue   # left between the two reads
+            gen, seq, at = _int(g), _int(s), _int(a)
+            if gen is None or seq is None or at is None:
+                malformed.append(n)
+                continue
+            replicas.append(StoredBlob(n, gen, seq, at, size, None))
+            if 0 < size <= self.max_blob_bytes and (known or {}).get(n) != (gen, seq):
+                want.append(("rep", n, k.rep(n)))
+        departed: list[StoredBlob] = []
+        for (f, at), size in zip(deps, got[2 * len(names):], strict=True):
+            f = _text(f)
+            name, _, g = f.rpartition("#")
+            gen = _int(g)
+            if not name or gen is None or isinstance(size, Exception):
+                malformed.append(f)
+                continue
+            departed.append(StoredBlob(f, gen, 0, int(at), int(size), None))
+            if 0 < int(size) <= self.max_blob_bytes and (known or {}).get(f) != (gen, 0):
+                want.append(("dep", f, k.departed))
+        blobs: dict[str, bytes] = {}
+        if want:
+            p = self.r.pipeline(transaction=False)
+            for kind, name, key in want:
+                p.hget(key, "blob" if kind == "rep" else name)
+            for (_kind, name, _), b in zip(want, p.execute(raise_on_error=False), strict=True):
+                if isinstance(b, bytes):
+                    blobs[name] = b
+        def filled(x: StoredBlob) -> StoredBlob:
+            # fetched bytes; b"" when nothing was flushed yet or the caller has it; None when too large
+            return dataclasses.replace(x, blob=blobs.get(x.name, b"" if x.size <= self.max_blob_bytes else None))
+
+        return StoreView(now_ms, {_text(a): _text(b) for a, b in meta.items()},
+                         [filled(x) for x in replicas], [filled(x) for x in departed], malformed)
+
+    def fold(self, name: str, gen: int, seq: int) -> str:
+        k = self.keys
+        return _text(self._fold(keys=[k.gen(name), k.rep(name), k.replicas, k.departed, k.departed_at],
+                                args=[name, gen, seq]))
+
+    def prune_departed(self, cutoff_ms: int) -> int:
+        return int(self._prune(keys=[self.keys.departed, self.keys.departed_at], args=[cutoff_ms]))
+
+    # -- operator actions ---------------------------------------------------------------------
+    def reset(self, new_epoch: str) -> int:
+        """Forget the deployment's learned state. Replicas see the new epoch at their next flush and
+        start their counts over (a stale flush is refused by the epoch check). Returns keys deleted."""
+        k = self.keys
+        doomed = [key for key in self.r.scan_iter(match=_glob_escape(k.prefix) + "*", count=500)
+                  if _text(key) != k.meta and not _text(key).startswith(k.prefix + "gen:")]
+        n = 0
+        for i in range(0, len(doomed), 500):
+            n += int(self.r.delete(*doomed[i:i + 500]))
+        if self.r.exists(k.meta):
+            self.r.hset(k.meta, "epoch", new_epoch)
+        return n
+
+
+def _glob_escape(s: str) -> str:
+    return re.sub(r"([\\*?\[\]])", r"\\\1", s)

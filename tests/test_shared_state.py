@@ -1,0 +1,339 @@
+"""Learned state shared through a real redis-server: merging, idempotence, generations, faults."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import redis
+from conftest import RedisServer, need_redis
+
+from cachescout.connector.shared_state import CircuitBreaker, SharedLearnedState, SharedStateSettings
+from cachescout.connector.state_store import StateKeys
+from cachescout.policy import CacheScoutPolicy, ConfigError, PolicyConfig
+
+HALF_LIFE = 1e9   # no decay within a test: merged counts must then be exact sums
+
+
+def make(url: str, name: str, *, half_life: float = HALF_LIFE, domain: str = "d0", **extra):
+    settings = SharedStateSettings.from_mapping({"url": url, "replica": name, "deployment": "test",
+                                                 "timeout_s": 0.2, **extra})
+    policy = CacheScoutPolicy(PolicyConfig(transition_half_life=half_life))
+    shared = SharedLearnedState(settings, half_life=half_life, model="m", hash_domain=domain)
+    shared.attach(policy)
+    return policy, shared
+
+
+def learn(policy: CacheScoutPolicy, pairs: list[tuple[str, str]], times: int = 1) -> None:
+    for _ in range(times):
+        for src, dst in pairs:
+            policy.learner.update(src, dst)
+
+
+def counts(policy: CacheScoutPolicy) -> dict[tuple[str, str], float]:
+    return {(s, d): round(c, 3) for s, d, c in policy.learner.edges()}
+
+
+def sync(*pairs) -> None:
+    """Every replica flushes, then every replica reads and installs (two rounds: all see all)."""
+    for _ in range(2):
+        for policy, shared in pairs:
+            assert shared.sync_now(), shared.status()
+            shared.on_step(policy)
+
+
+# -- settings ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("raw, field", [
+    ({"url": "redis://h", "flush": 1}, "unknown key"),
+    ({"url": "http://h"}, "shared_state.url"),
+    ({"url": "redis://:secret@h:6379"}, "must not hold a password"),
+    ({"url": "redis://h", "password_env": "CACHESCOUT_NO_SUCH_VARIABLE"}, "shared_state.password_env"),
+    ({"url": "redis://h", "timeout_s": -1}, "shared_state.timeout_s"),
+    ({"url": "redis://h", "retries": 1.5}, "shared_state.retries"),
+    ({"url": "redis://h", "replica": "a b{c}"}, "shared_state.replica"),
+    ({"url": "redis://h", "flush_interval_s": 10, "fold_after_s": 20}, "fold_after_s"),
+    ({"sentinels": ["h:26379"]}, "sentinel_service"),
+    ({"sentinels": ["nope"], "sentinel_service": "m"}, "shared_state.sentinels"),
+    ({}, "give 'url'"),
+    ({"url": "redis://h", "tls_ca_file": "/no/such/ca.pem"}, "shared_state.tls_ca_file"),
+])
+def test_bad_settings_fail_with_the_field_named(raw, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        SharedStateSettings.from_mapping(raw)
+
+
+def test_connector_settings_take_shared_state():
+    from cachescout.connector import ConnectorSettings
+    s = ConnectorSettings.from_extra_config({"shared_state": {"url": "redis://h:1", "deployment": "prod"}})
+    assert s.shared_state.deployment == "prod" and s.shared_state.flush_interval_s == 5.0
+    with pytest.raises(ConfigError, match=r"kv_connector_extra_config\.shared_state\.deployment"):
+        ConnectorSettings.from_extra_config({"shared_state": {"url": "redis://h:1", "deployment": ""}})
+
+
+def test_keys_of_deployments_and_models_share_one_hash_tag_each():
+    a, b = StateKeys("prod", "llama-8b"), StateKeys("prod", "llama-70b")
+    tag = a.rep("x").split("{")[1].split("}")[0]
+    assert all(k.split("{")[1].split("}")[0] == tag for k in (a.meta, a.replicas, a.gen("y"), a.departed))
+    assert not set(map(a.rep, "xy")) & set(map(b.rep, "xy"))
+
+
+def test_breaker_opens_after_failures_and_backs_off():
+    now = [0.0]
+    br = CircuitBreaker(3, 10.0, clock=lambda: now[0])
+    for _ in range(3):
+        assert br.allow()
+        br.failure()
+    assert not br.allow() and br.is_open
+    now[0] = 0.6
+    assert br.allow()
+    br.failure()                # still failing: the cool-down doubles
+    now[0] = 1.5
+    assert not br.allow()
+    now[0] = 1.7
+    br.success()
+    assert br.allow() and not br.is_open
+
+
+# -- merging ----------------------------------------------------------------------------------------
+def test_replicas_merge_exact_sums_and_repeated_rounds_never_double_count(redis_server):
+    a = make(redis_server.url, "a")
+    b = make(redis_server.url, "b")
+    learn(a[0], [("x", "y")], 40)
+    learn(b[0], [("x", "z")], 10)
+    for _ in range(3):
+        sync(a, b)
+    want = {("x", "y"): 40.0, ("x", "z"): 10.0}
+    assert counts(a[0]) == want and counts(b[0]) == want
+    assert a[0].predict_next("x")[0] == ("y", pytest.approx(0.8))
+    # Updates made after the merge was built are replayed onto it, not lost.
+    a[1].sync_now()
+    learn(a[0], [("x", "q")], 2)
+    assert a[1].on_step(a[0])
+    assert counts(a[0]) == {**want, ("x", "q"): 2.0}
+
+
+def test_a_retried_or_out_of_order_flush_is_a_no_op(redis_server):
+    a = make(redis_server.url, "a")
+    learn(a[0], [("x", "y")], 5)
+    a[1].sync_now()
+    store = a[1]._store
+    blob = store.r.hget(a[1].keys.rep("a"), "blob")
+    gen, seq = a[1]._gen, a[1]._flush_seq
+    assert store.flush("a", a[1]._epoch, gen, seq, blob, 60_000)[0] == "dup"
+    assert store.flush("a", a[1]._epoch, gen, seq, blob, 60_000)[0] == "dup"
+    assert store.flush("a", a[1]._epoch, gen, seq - 1, b"older", 60_000)[0] == "dup"
+    assert store.r.hget(a[1].keys.rep("a"), "blob") == blob
+    b = make(redis_server.url, "b")
+    sync(b)
+    assert counts(b[0]) == {("x", "y"): 5.0}
+
+
+def test_restart_under_the_same_name_starts_warm_and_fences_the_old_copy(redis_server, caplog):
+    old = make(redis_server.url, "a")
+    learn(old[0], [("x", "y")], 30)
+    sync(old)
+    new = make(redis_server.url, "a")           # same name: a restarted pod of a StatefulSet
+    sync(new)
+    assert counts(new[0]) == {("x", "y"): 30.0}  # warm: the previous life's counts, once
+    learn(new[0], [("x", "z")], 5)
+    learn(old[0], [("x", "y")], 100)             # the old copy keeps running...
+    with caplog.at_level(logging.ERROR, "cachescout.shared_state"):
+        assert not old[1].sync_now()             # ...but may not overwrite the newer one
+    assert old[1].superseded and "another process registered" in caplog.text
+    assert not old[1].sync_now()
+    other = make(redis_server.url, "b")
+    sync(new, other)
+    assert counts(other[0]) == {("x", "y"): 30.0, ("x", "z"): 5.0}
+
+
+def test_a_silent_replica_is_folded_in_and_rejoins_without_double_counting(redis_server):
+    fast = {"flush_interval_s": 0.1, "fold_after_s": 0.3}
+    a = make(redis_server.url, "a", **fast)
+    b = make(redis_server.url, "b", **fast)
+    learn(a[0], [("x", "y")], 7)
+    learn(b[0], [("x", "z")], 3)
+    sync(a, b)
+    time.sleep(0.4)                               # b says nothing for longer than fold_after_s
+    assert a[1].sync_now()
+    assert a[1].stats["folds"] == 1 and a[1].departed_count == 0
+    a[1].sync_now()
+    a[1].on_step(a[0])
+    assert a[1].departed_count == 1
+    assert counts(a[0]) == {("x", "y"): 7.0, ("x", "z"): 3.0}   # folded, not lost
+    learn(b[0], [("x", "z")], 2)                 # b was only paused; it comes back
+    sync(b, a)
+    assert b[1].stats["refolded"] == 1
+    assert counts(a[0])[("x", "z")] == pytest.approx(3.0, abs=0.01)   # its 3 once; the 2 since its last
+    # flush are the "at most one flush interval" it may lose
+    learn(b[0], [("x", "z")], 4)
+    sync(b, a)
+    assert counts(a[0])[("x", "z")] == pytest.approx(7.0, abs=0.01)
+
+
+def test_departed_counts_fade_and_are_dropped(redis_server):
+    settings = {"flush_interval_s": 0.1, "fold_after_s": 1.0, "departed_half_life_s": 1.0}
+    a = make(redis_server.url, "a", **settings)
+    b = make(redis_server.url, "b", **settings)
+    learn(b[0], [("x", "z")], 64)
+    sync(a, b)
+    time.sleep(1.1)
+    a[1].sync_now()                               # folds b
+    time.sleep(1.0)
+    a[1].sync_now()
+    a[1].on_step(a[0])
+    assert 10 < counts(a[0])[("x", "z")] < 40     # about half, a second after folding
+    store = a[1]._store
+    store.prune_departed(int(time.time() * 1000) + 1)   # as if ten half-lives had passed
+    a[1].sync_now()
+    a[1].on_step(a[0])
+    assert counts(a[0]) == {}
+
+
+def test_a_reset_starts_everyone_over_and_refuses_old_flushes(redis_server):
+    a = make(redis_server.url, "a")
+    b = make(redis_server.url, "b")
+    learn(a[0], [("x", "y")], 4)
+    learn(b[0], [("x", "z")], 4)
+    sync(a, b)
+    old_epoch = a[1]._epoch
+    deleted = a[1]._store.reset("fresh")
+    assert deleted >= 3
+    assert a[1]._store.flush("a", old_epoch, a[1]._gen, 99, b"x", 60_000)[0] == "epoch"
+    sync(a, b)
+    assert a[1].stats["resets_seen"] == 1 and b[1].stats["resets_seen"] == 1
+    assert counts(a[0]) == {} and counts(b[0]) == {}
+    learn(b[0], [("x", "w")], 1)
+    sync(b, a)
+    assert counts(a[0]) == {("x", "w"): 1.0}
+
+
+def test_replicas_hashing_blocks_differently_refuse_to_share(redis_server, caplog):
+    a = make(redis_server.url, "a", domain="seed-1")
+    learn(a[0], [("x", "y")], 3)
+    sync(a)
+    b = make(redis_server.url, "b", domain="seed-2")
+    learn(b[0], [("x", "z")], 3)
+    with caplog.at_level(logging.ERROR, "cachescout.shared_state"):
+        assert not b[1].sync_now()
+    assert "hash_domain" in caplog.text and b[1].status()["degraded"] == 1
+    b[1].on_step(b[0])
+    assert counts(b[0]) == {("x", "z"): 3.0}     # local learning goes on
+    c = make(redis_server.url, "c", domain="seed-1")
+    sync(c)
+    assert counts(c[0]) == {("x", "y"): 3.0}
+
+
+def test_corrupt_oversized_and_wrong_type_entries_are_rejected_and_counted(redis_server):
+    a = make(redis_server.url, "a", max_blob_bytes=4096)
+    learn(a[0], [("x", "y")], 2)
+    sync(a)
+    k = a[1].keys
+    r = redis.Redis.from_url(redis_server.url)
+    now = int(time.time() * 1000)
+    r.hset(k.rep("garbage"), mapping={"gen": 1, "seq": 1, "at": now, "blob": b"\xc1\xff not msgpack"})
+    r.hset(k.rep("huge"), mapping={"gen": 1, "seq": 1, "at": now, "blob": b"\x00" * 10_000})
+    r.hset(k.rep("words"), mapping={"gen": "one", "seq": 1, "at": now, "blob": b""})
+    r.set(k.rep("string"), b"not a hash")
+    r.hset(k.departed, "evil#1", b"\x92\x01")
+    r.hset(k.departed, "nogen", b"\x92\x01")
+    r.zadd(k.departed_at, {"evil#1": now, "nogen": now})
+    r.zadd(k.replicas, {n: now for n in ("garbage", "huge", "words", "string")})
+    assert a[1].sync_now()
+    a[1].on_step(a[0])
+    assert a[1].stats["rejected_blobs"] == 6
+    assert counts(a[0]) == {("x", "y"): 2.0}
+    a[1].sync_now()                               # rejected once each, not once per round
+    assert a[1].stats["rejected_blobs"] == 6
+    r.close()
+
+
+# -- faults -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("aof", [False, True], ids=["no-persistence", "aof"])
+def test_redis_killed_and_restarted_heals_with_nothing_lost_or_doubled(tmp_path, aof):
+    need_redis()
+    server = RedisServer(aof=aof, workdir=str(tmp_path))
+    try:
+        a = make(server.url, "a")
+        b = make(server.url, "b")
+        learn(a[0], [("x", "y")], 6)
+        learn(b[0], [("x", "z")], 2)
+        sync(a, b)
+        server.kill9()
+        learn(a[0], [("x", "y")], 1)
+        t0 = time.perf_counter()
+        assert not a[1].sync_now() and not b[1].sync_now()
+        assert time.perf_counter() - t0 < 3.0            # fails fast, raises nothing
+        a[1].on_step(a[0])
+        assert counts(a[0])[("x", "y")] == 7.0            # local learning went on
+        server.start()
+        time.sleep(0.6)                                   # past the breaker's first cool-down
+        sync(a, b)
+        assert counts(a[0]) == counts(b[0]) == {("x", "y"): 7.0, ("x", "z"): 2.0}
+        assert (a[1].stats["meta_lost"] > 0) == (not aof)
+    finally:
+        server.stop()
+
+
+def test_redis_paused_with_sigstop_costs_little_and_heals(redis_server):
+    a = make(redis_server.url, "a", breaker_failures=2)
+    learn(a[0], [("x", "y")], 3)
+    sync(a)
+    redis_server.pause()
+    try:
+        t0 = time.perf_counter()
+        for _ in range(5):
+            assert not a[1].sync_now()
+        elapsed = time.perf_counter() - t0
+        assert a[1].breaker.is_open and a[1].stats["breaker_skips"] >= 2
+        assert elapsed < 3.0, elapsed                      # two timed-out rounds, then the breaker answers
+        assert a[1].status()["degraded"] == 1
+    finally:
+        redis_server.resume()
+    time.sleep(0.6)
+    learn(a[0], [("x", "y")], 1)
+    sync(a)
+    assert a[1].status()["degraded"] == 0 and counts(a[0]) == {("x", "y"): 4.0}
+
+
+def test_a_network_timeout_is_contained(redis_server):
+    from helpers import StallingProxy
+    with StallingProxy(redis_server.port) as proxy:
+        a = make(f"redis://127.0.0.1:{proxy.port}", "a")
+        learn(a[0], [("x", "y")], 2)
+        sync(a)
+        proxy.stall = True
+        t0 = time.perf_counter()
+        assert not a[1].sync_now()
+        assert time.perf_counter() - t0 < 2.0
+        assert a[1].stats["errors"] == 1
+        proxy.stall = False
+        time.sleep(0.1)
+        sync(a)
+        assert counts(a[0]) == {("x", "y"): 2.0}
+
+
+def test_a_background_thread_shares_while_the_serving_thread_only_swaps(redis_server):
+    a = make(redis_server.url, "a", flush_interval_s=0.05, fold_after_s=1.0)
+    b = make(redis_server.url, "b", flush_interval_s=0.05, fold_after_s=1.0)
+    a[1].start()
+    b[1].start()
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            learn(a[0], [("x", "y")])
+            learn(b[0], [("x", "z")])
+            a[1].on_step(a[0])
+            b[1].on_step(b[0])
+            if a[0].learner.probability("x", "z") > 0 and b[0].learner.probability("x", "y") > 0:
+                break
+            time.sleep(0.01)
+        assert a[0].learner.probability("x", "z") > 0 and b[0].learner.probability("x", "y") > 0
+    finally:
+        a[1].close()
+        b[1].close()
+    # The final flush on close means nothing is lost at a clean shutdown.
+    c = make(redis_server.url, "c")
+    sync(c)
+    own_a = sum(1 for op in a[1]._recent if op[1][1:3] == ("x", "y"))
+    assert counts(c[0])[("x", "y")] == own_a
