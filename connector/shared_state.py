@@ -392,8 +392,11 @@ class SharedLearnedState:
         import redis.exceptions as rx
         self.breaker.failure()
         now = self.clock()
+        text = str(exc)
         auth = isinstance(exc, (rx.AuthenticationError, rx.AuthorizationError, rx.NoPermissionError)) or (
-            isinstance(exc, rx.ResponseError) and str(exc).startswith(("NOPERM", "WRONGPASS", "NOAUTH")))
+            isinstance(exc, rx.ResponseError) and (text.startswith(("NOPERM", "WRONGPASS", "NOAUTH"))
+                                                   or "can't run this command" in text   # ACL, inside a script
+                                                   or "no permissions" in text.lower()))
         if auth:
             self.stats["auth_errors"] += 1
             # Misconfiguration, not weather: say so every time the breaker lets a try through.

@@ -120,6 +120,15 @@ redis.call('INCR', KEYS[1])
 return 'folded'
 """
 
+# KEYS: meta, replicas, departed_at. ARGV: how many entries at most.
+# -> {server time ms, meta as flat list, replicas with scores, departed with scores}
+_HEAD = """
+local t = redis.call('TIME')
+local n = tonumber(ARGV[1]) - 1
+return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), redis.call('HGETALL', KEYS[1]),
+        redis.call('ZRANGE', KEYS[2], 0, n, 'WITHSCORES'), redis.call('ZRANGE', KEYS[3], 0, n, 'WITHSCORES')}
+"""
+
 # KEYS: departed, departed_at. ARGV: cutoff (ms). Drops departed blobs stamped before the cutoff.
 _PRUNE = """
 local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[1])
@@ -198,6 +207,7 @@ class StateStore:
         self._flush = client.register_script(_FLUSH)
         self._fold = client.register_script(_FOLD)
         self._prune = client.register_script(_PRUNE)
+        self._head = client.register_script(_HEAD)
 
     # -- one replica's own writes -------------------------------------------------------------------
     def ensure_meta(self, half_life: float, hash_domain: str, epoch: str) -> tuple[str, str, str]:
@@ -228,13 +238,12 @@ class StateStore:
         """Everything stored, in two or three round trips. Blobs over the size limit are not fetched;
         blobs whose (gen, seq) is in `known` are not fetched again (their `blob` is b"")."""
         k = self.keys
-        p = self.r.pipeline(transaction=False)
-        p.time()
-        p.hgetall(k.meta)
-        p.zrange(k.replicas, 0, self.max_replicas - 1, withscores=True)
-        p.zrange(k.departed_at, 0, self.max_replicas - 1, withscores=True)
-        (sec, usec), meta, reps, deps = p.execute()
-        now_ms = int(sec) * 1000 + int(usec) // 1000
+        # One script, so the server's clock and the lists come from the same node and moment.
+        now_ms, flat_meta, flat_reps, flat_deps = self._head(keys=[k.meta, k.replicas, k.departed_at],
+                                                             args=[self.max_replicas])
+        meta = dict(zip(flat_meta[::2], flat_meta[1::2], strict=True))
+        reps = list(zip(flat_reps[::2], map(float, flat_reps[1::2]), strict=True))
+        deps = list(zip(flat_deps[::2], map(float, flat_deps[1::2]), strict=True))
         names = [_text(n) for n, _ in reps if _text(n) != skip]
         fields = [_text(f) for f, _ in deps]
         p = self.r.pipeline(transaction=False)
@@ -286,7 +295,7 @@ class StateStore:
             # fetched bytes; b"" when nothing was flushed yet or the caller has it; None when too large
             return dataclasses.replace(x, blob=blobs.get(x.name, b"" if x.size <= self.max_blob_bytes else None))
 
-        return StoreView(now_ms, {_text(a): _text(b) for a, b in meta.items()},
+        return StoreView(int(now_ms), {_text(a): _text(b) for a, b in meta.items()},
                          [filled(x) for x in replicas], [filled(x) for x in departed], malformed)
 
     def fold(self, name: str, gen: int, seq: int) -> str:

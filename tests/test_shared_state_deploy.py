@@ -1,0 +1,183 @@
+"""The shared state on the Redis set-ups users run: ACL users, TLS, Sentinel, Cluster (real servers)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+import redis
+from conftest import RedisServer, need_redis
+
+from cachescout.connector.shared_state import SharedLearnedState, SharedStateSettings
+from cachescout.policy import CacheScoutPolicy, PolicyConfig
+
+# The least-privilege rule documented in docs/usage.md (shared state), for deployment "prod".
+ACL_COMMANDS = ("-@all +evalsha +eval +script|load +client|setname +ping +time +get +set +incr "
+                "+del +exists +pexpire +hget +hmget +hset +hdel +hgetall +hstrlen +zadd +zrem +zrange +zrangebyscore")
+
+
+def pair(settings: dict, name: str):
+    s = SharedStateSettings.from_mapping({"deployment": "prod", "replica": name, "timeout_s": 0.5, **settings})
+    policy = CacheScoutPolicy(PolicyConfig(transition_half_life=1e9))
+    shared = SharedLearnedState(s, half_life=1e9, model="m", hash_domain="d")
+    shared.attach(policy)
+    return policy, shared
+
+
+def exchange(settings: dict) -> tuple[dict, dict]:
+    """Two replicas on `settings` each learn one transition and must end up with both."""
+    (pa, sa), (pb, sb) = pair(settings, "a"), pair(settings, "b")
+    pa.learner.update("x", "y")
+    pb.learner.update("x", "z")
+    for _ in range(2):
+        for p, s in ((pa, sa), (pb, sb)):
+            assert s.sync_now(), s.status()
+            s.on_step(p)
+    sa.close(final_flush=False)
+    sb.close(final_flush=False)
+    return pa.learner.probabilities("x"), pb.learner.probabilities("x")
+
+
+def test_least_privilege_acl_user_can_do_everything_the_replicas_need(redis_server, monkeypatch, caplog):
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "cachescout", "on", ">s3cret-pw", "resetkeys", "~cs:{prod|*",
+                          "resetchannels", *ACL_COMMANDS.split())
+    admin.execute_command("ACL", "SETUSER", "readonly", "on", ">other-pw", "~cs:*", "-@all", "+@read",
+                          "+evalsha", "+eval", "+script|load", "+client|setname", "+time")
+    monkeypatch.setenv("CS_STATE_PW", "s3cret-pw")
+    with caplog.at_level(logging.DEBUG):
+        pa, pb = exchange({"url": redis_server.url, "username": "cachescout", "password_env": "CS_STATE_PW"})
+    assert set(pa) == set(pb) == {"y", "z"}
+    # A user that may not write: loud, counted, and nothing raised into the caller.
+    monkeypatch.setenv("CS_STATE_PW", "other-pw")
+    _, shared = pair({"url": redis_server.url, "username": "readonly", "password_env": "CS_STATE_PW"}, "c")
+    with caplog.at_level(logging.ERROR, "cachescout.shared_state"):
+        assert not shared.sync_now()
+    assert shared.stats["auth_errors"] == 1 and "refused access" in caplog.text
+    # A wrong password: the same, and the password is never written to the log.
+    monkeypatch.setenv("CS_STATE_PW", "wrong-pw")
+    _, shared = pair({"url": redis_server.url, "username": "cachescout", "password_env": "CS_STATE_PW"}, "d")
+    assert not shared.sync_now() and shared.stats["auth_errors"] == 1
+    assert "s3cret-pw" not in caplog.text and "wrong-pw" not in caplog.text and "other-pw" not in caplog.text
+    admin.close()
+
+
+def test_password_from_a_file(redis_server, tmp_path):
+    admin = redis.Redis.from_url(redis_server.url)
+    admin.execute_command("ACL", "SETUSER", "cachescout", "on", ">file-pw", "~cs:*", "+@all")
+    admin.close()
+    (tmp_path / "pw").write_text("file-pw\n")
+    pa, _ = exchange({"url": redis_server.url, "username": "cachescout", "password_file": str(tmp_path / "pw")})
+    assert set(pa) == {"y", "z"}
+
+
+def _certs(d: str) -> None:
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=cachescout-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")
+    with open(os.path.join(d, "san.ext"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "2", "-extfile", "san.ext")
+
+
+def test_tls_with_a_private_ca(tmp_path):
+    need_redis()
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    _certs(str(tmp_path))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = RedisServer(port=port, scheme="rediss", extra=[
+        "--tls-port", str(port), "--tls-cert-file", str(tmp_path / "server.crt"),
+        "--tls-key-file", str(tmp_path / "server.key"), "--tls-ca-cert-file", str(tmp_path / "ca.crt"),
+        "--tls-auth-clients", "no"])
+    try:
+        pa, _ = exchange({"url": server.url, "tls_ca_file": str(tmp_path / "ca.crt")})
+        assert set(pa) == {"y", "z"}
+        # Without the CA the certificate is not trusted: an error, contained.
+        _, shared = pair({"url": server.url}, "c")
+        assert not shared.sync_now() and shared.stats["errors"] == 1
+    finally:
+        server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_through_sentinel(redis_server, tmp_path):
+    port = _free_port()
+    conf = tmp_path / "sentinel.conf"
+    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
+                    f"sentinel monitor primary 127.0.0.1 {redis_server.port} 1\n")
+    proc = subprocess.Popen(["redis-server", str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                if redis.Redis(port=port, socket_timeout=0.5).execute_command(
+                        "SENTINEL", "GET-MASTER-ADDR-BY-NAME", "primary"):
+                    break
+            except redis.RedisError:
+                pass
+            assert time.monotonic() < deadline, "sentinel did not start"
+            time.sleep(0.1)
+        pa, _ = exchange({"sentinels": [f"127.0.0.1:{port}"], "sentinel_service": "primary"})
+        assert set(pa) == {"y", "z"}
+        assert redis.Redis.from_url(redis_server.url).exists("cs:{prod|m}:v1:meta")
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+def test_on_redis_cluster_every_key_of_a_deployment_is_in_one_slot(tmp_path):
+    need_redis()
+    ports = [_free_port() for _ in range(3)]
+    procs = []
+    try:
+        for p in ports:
+            d = tmp_path / str(p)
+            d.mkdir()
+            procs.append(subprocess.Popen(
+                ["redis-server", "--port", str(p), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", str(d / "nodes.conf"), "--dir", str(d), "--save", "",
+                 "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        for p in ports:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    redis.Redis(port=p, socket_timeout=0.5).ping()
+                    break
+                except redis.RedisError:
+                    assert time.monotonic() < deadline
+                    time.sleep(0.05)
+        subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
+                        "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 15
+        while b"cluster_state:ok" not in redis.Redis(port=ports[0]).execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline, "cluster did not form"
+            time.sleep(0.1)
+        pa, pb = exchange({"url": f"redis://127.0.0.1:{ports[0]}", "cluster": True})
+        assert set(pa) == set(pb) == {"y", "z"}
+        from redis.cluster import RedisCluster
+        rc = RedisCluster(host="127.0.0.1", port=ports[0])
+        keys = list(rc.scan_iter(match="cs:*"))
+        assert len(keys) >= 5 and len({rc.keyslot(k) for k in keys}) == 1
+        rc.close()
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(5)
