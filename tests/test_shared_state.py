@@ -337,3 +337,82 @@ def test_a_background_thread_shares_while_the_serving_thread_only_swaps(redis_se
     sync(c)
     own_a = sum(1 for op in a[1]._recent if op[1][1:3] == ("x", "y"))
     assert counts(c[0])[("x", "y")] == own_a
+
+
+# -- several processes ------------------------------------------------------------------------------
+def _replica_cmd(*args: str) -> list[str]:
+    import os
+    import sys
+    return [sys.executable, os.path.join(os.path.dirname(__file__), "replica_proc.py"), *args]
+
+
+@pytest.mark.parametrize("half_life", [1e9, 200.0], ids=["no-decay", "decay"])
+def test_three_replica_processes_converge_to_what_one_process_learns(redis_server, tmp_path, half_life):
+    import json
+    import subprocess
+
+    from replica_proc import sessions
+
+    procs = [subprocess.Popen(_replica_cmd("converge", redis_server.url, f"r{i}", str(i), "3", str(half_life),
+                                           str(tmp_path / f"r{i}.json")))
+             for i in range(3)]
+    for p in procs:
+        assert p.wait(60) == 0
+    single = CacheScoutPolicy(PolicyConfig(transition_half_life=half_life))
+    for path in sessions():
+        for src, dst in path:
+            single.learner.update(src, dst)
+    views = []
+    for i in range(3):
+        merged = CacheScoutPolicy(PolicyConfig(transition_half_life=half_life))
+        merged.learner.absorb({})
+        for s, d, c in json.loads((tmp_path / f"r{i}.json").read_text()):
+            merged.learner.absorb({s: {d: c}})
+        views.append(merged.learner)
+    for view in views:
+        for src in single.learner.decayed_rows():
+            want, got = single.learner.probabilities(src), view.probabilities(src)
+            assert set(got) == set(want)
+            for dst, p in want.items():
+                # Exact without decay; with decay each replica forgets over its own third of the
+                # traffic, so the weights of old and new transitions differ a little.
+                assert got[dst] == pytest.approx(p, abs=1e-6 if half_life > 1e6 else 0.03), (src, dst)
+        if half_life > 1e6:
+            got_counts = {(s, d): c for s, d, c in view.edges()}
+            assert got_counts == pytest.approx({(s, d): c for s, d, c in single.learner.edges()}, rel=1e-5)
+
+
+def test_a_replica_killed_mid_flush_leaves_a_whole_blob_and_its_successor_starts_warm(redis_server):
+    import random
+    import signal
+    import subprocess
+
+    from cachescout.connector.state_store import StateStore
+    from cachescout.policy import TransitionSnapshot
+
+    rng = random.Random(3)
+    r = redis.Redis.from_url(redis_server.url)
+    keys = StateKeys("mp", "m")
+    store = StateStore(r, keys, max_blob_bytes=1 << 20)
+    folded = 0
+    for _ in range(3):
+        proc = subprocess.Popen(_replica_cmd("flush-forever", redis_server.url, "victim"),
+                                stdout=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(rng.uniform(0.1, 0.4))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(5)
+        proc.stdout.close()
+        seq = int(r.hget(keys.rep("victim"), "seq"))
+        snap = TransitionSnapshot.decode(r.hget(keys.rep("victim"), "blob"))
+        assert seq > 0 and snap.decayed_rows()["x"]["y"] == pytest.approx(seq, rel=1e-5)   # whole, never torn
+        folded += seq
+    view = store.read()
+    lives = sorted(b.name for b in view.departed)
+    assert lives == ["victim#1", "victim#2"]     # each restart moved the previous life aside
+    # A successor under the same name starts with every life's counts, each once.
+    heir = make(redis_server.url, "victim", deployment="mp", domain="d")
+    sync(heir)
+    # (departed counts fade with a one-hour half-life: seconds cost a few parts in ten thousand)
+    assert counts(heir[0]) == {("x", "y"): pytest.approx(folded, rel=1e-3)}
+    r.close()
