@@ -69,7 +69,63 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--settings", default="{}",
                    help="CacheScout settings as a JSON object (kv_connector_extra_config), e.g. "
                         "'{\"steer_ahead_blocks\": 32, \"policy\": {\"max_agents\": 200}}'")
+    st = sub.add_parser("state", help="inspect, export or reset the learned state replicas share through Redis",
+                        description="The shared learned state of one deployment and model: each replica's "
+                                    "contribution and the merged transition matrix every replica predicts from.")
+    st.add_argument("action", choices=("show", "export", "reset"))
+    st.add_argument("--url", default=None, help="Redis holding the state: redis://, rediss:// or unix:// "
+                                                "(or give it in --shared-state)")
+    st.add_argument("--deployment", default=None, help="deployment name (default: 'default')")
+    st.add_argument("--model", required=True, help="the model name the replicas serve (vLLM's served model name)")
+    st.add_argument("--shared-state", default="{}",
+                    help="the connector's shared_state settings as JSON (username, password_env, TLS files, "
+                         "sentinels...); --url and --deployment override it")
+    st.add_argument("--out", default=None, help="export: write the JSON here instead of stdout")
+    st.add_argument("--top", type=int, default=4, help="show: transitions listed per agent (default 4)")
+    st.add_argument("--yes", action="store_true", help="reset: do it (without it, reset only says what it would do)")
     return p
+
+
+def _state(args: argparse.Namespace) -> int:
+    from cachescout.connector.shared_state import SharedStateSettings
+    from cachescout.connector.state_admin import collect, open_store, render, reset
+    from cachescout.policy import ConfigError
+
+    try:
+        raw = json.loads(args.shared_state)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--shared-state is not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError("--shared-state must be a JSON object")
+    raw.update({k: v for k, v in (("url", args.url), ("deployment", args.deployment)) if v is not None})
+    try:
+        settings = SharedStateSettings.from_mapping(raw, "--shared-state")
+        store = open_store(settings, args.model)
+    except (ConfigError, ValueError) as exc:
+        raise ValueError(str(exc)) from None
+    import redis
+    try:
+        if args.action == "reset":
+            if not args.yes:
+                print(f"would delete every replica's learned state under {store.keys.prefix} "
+                      "(replicas start their counts over at their next flush); add --yes to do it")
+                return EXIT_USAGE
+            n = reset(store)
+            print(f"reset {store.keys.prefix}: {n} keys deleted; replicas start over at their next flush")
+            return 0
+        data = collect(store, settings.departed_half_life_s)
+    except redis.RedisError as exc:
+        raise RuntimeError(f"Redis at {settings.target()}: {type(exc).__name__}: {exc}") from None
+    if args.action == "show":
+        print(render(data, top=args.top))
+    else:
+        text = json.dumps(data, indent=1, sort_keys=True)
+        if args.out:
+            with open(args.out, "w", encoding="utf-8") as f:
+                f.write(text + "\n")
+        else:
+            print(text)
+    return 0
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -168,6 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _bench(args)
         if args.command == "config":
             return _config(args)
+        if args.command == "state":
+            return _state(args)
     except KeyboardInterrupt:
         print("cachescout: interrupted", file=sys.stderr)
         return 130

@@ -62,3 +62,40 @@ def test_help_does_not_import_vllm():
            "print('vllm' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("False False")
+
+
+def test_state_show_export_and_reset(redis_server, tmp_path, capsys):
+    import json
+
+    from test_shared_state import learn, make, sync
+
+    a, b = make(redis_server.url, "replica-a"), make(redis_server.url, "replica-b")
+    learn(a[0], [("supervisor", "coder")], 6)
+    learn(b[0], [("supervisor", "searcher")], 2)
+    sync(a, b)
+    where = ["--url", redis_server.url, "--deployment", "test", "--model", "m"]
+    assert main(["state", "show", *where]) == 0
+    out = capsys.readouterr().out
+    assert "replica-a" in out and "replica-b" in out
+    assert "supervisor -> coder 0.75 (6.0), searcher 0.25 (2.0)" in out
+    assert main(["state", "export", *where, "--out", str(tmp_path / "s.json")]) == 0
+    data = json.loads((tmp_path / "s.json").read_text())
+    assert data["merged"]["supervisor"]["coder"] == {"p": 0.75, "count": 6.0}
+    assert {e["name"] for e in data["entries"]} == {"replica-a", "replica-b"}
+    assert main(["state", "reset", *where]) == 2          # asks for --yes, changes nothing
+    assert "add --yes" in capsys.readouterr().out
+    assert main(["state", "export", *where]) == 0
+    assert json.loads(capsys.readouterr().out)["merged"]
+    assert main(["state", "reset", *where, "--yes"]) == 0
+    capsys.readouterr()
+    assert main(["state", "export", *where]) == 0
+    assert json.loads(capsys.readouterr().out)["merged"] == {}
+
+
+def test_state_errors_are_one_line(capsys):
+    assert main(["state", "show", "--url", "http://h", "--model", "m"]) == 2
+    assert "url must start with redis://" in capsys.readouterr().err
+    assert main(["state", "show", "--url", "redis://127.0.0.1:1", "--model", "m",
+                 "--shared-state", '{"timeout_s": 0.1}']) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("cachescout state: error: Redis at redis://127.0.0.1:1") and err.count("\n") == 1

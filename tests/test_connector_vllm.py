@@ -225,3 +225,35 @@ def test_preemptions_keep_the_mirror_exact():
     assert not replay.connector._failed and replay.connector.steering.stats["steered_blocks"] > 0
     assert replay.pool_all_free()
     assert len(result.calls) == sum(len(s.calls) for s in sessions)
+
+
+def test_replicas_share_what_they_learned_through_redis(short_workload, redis_server):
+    """Two connectors on vLLM's scheduler, one after the other: the second starts from the first's
+    transitions (read from a real redis-server by its background thread) before its own traffic."""
+    import time
+
+    sessions, cfg = short_workload
+    shared = {"url": redis_server.url, "deployment": "ci", "flush_interval_s": 0.05, "fold_after_s": 30}
+    first = VllmReplay(cfg, "cachescout", {"shared_state": {**shared, "replica": "first"}})
+    first.run(sessions[:20])
+    learned = {(s, d) for s, d, _ in first.connector.policy.learner.edges()}
+    assert len(learned) >= 5
+    first.connector.shutdown()                       # the final flush
+    second = VllmReplay(cfg, "cachescout", {"shared_state": {**shared, "replica": "second"}})
+    state = second.connector._shared
+    deadline = time.monotonic() + 10
+    while state.stats["merges"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    result = second.run(sessions[20:22])
+    assert state.stats["installs"] >= 1
+    assert learned <= {(s, d) for s, d, _ in second.connector.policy.learner.edges()}
+    assert len(result.calls) > 0 and state.stats["flush_ok"] >= 1 and state.status()["degraded"] == 0
+    reported = second.connector._reported      # what vLLM's scheduler has collected for its metrics so far
+    assert reported["state_flushes"] >= 1 and reported["state_merges"] >= 1 and reported["state_errors"] == 0
+    second.connector.shutdown()
+    assert second.pool_all_free()
+
+
+def test_bad_shared_state_settings_fail_when_vllm_builds_the_connector():
+    with pytest.raises(ConfigError, match=r"shared_state\.flush_interval_s"):
+        build_scheduler(64, connector={"shared_state": {"url": "redis://h:1", "flush_interval_s": 0}})
