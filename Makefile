@@ -6,7 +6,7 @@ VENV ?= $(HOME)/.cache/cachescout/venv-$(shell cat $(PINS) | sha256sum | cut -c1
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: bench test microbench venv clean-venv
+.PHONY: bench test microbench state-bench venv clean-venv
 
 venv: $(STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >$(VENV)/install.log 2>&1 \
@@ -28,6 +28,9 @@ test: venv
 
 microbench: venv
 	$(PY) -m cachescout.bench.microbench $(ARGS)
+
+state-bench: venv
+	$(PY) -m cachescout.bench.state_bench $(ARGS)
 
 clean-venv:
 	rm -rf $(VENV)

@@ -42,6 +42,7 @@ from .state_store import NAME_RULE, StateKeys, StateStore, StoreView
 
 log = logging.getLogger("cachescout.shared_state")
 
+SHARED_PREFIX = "anchor-"  # agents' shared names (CacheScoutPolicy.shared_names)
 _DEPARTED_FLOOR = 1e-3     # a departed blob weighing less than this is dropped (about 10 half-lives)
 
 
@@ -262,12 +263,15 @@ class SharedLearnedState:
         self.clock = clock
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_max_cooldown_s, clock)
         self.stats: collections.Counter[str] = collections.Counter()
+        self.timings: dict[str, float] = {}   # the last round's phases (seconds), for the benchmark
         # Scheduler thread only.
         self._seq = 0
         self._recent: collections.deque = collections.deque(maxlen=65_536)
         # Shared: appended by the scheduler thread, drained by the background thread (deque ops are atomic).
         self._ops: collections.deque = collections.deque(maxlen=max_journal)
         self._published: tuple[TransitionLearner, int] | None = None
+        self._names: dict[str, str] = {}        # local agent name -> shared name (CacheScoutPolicy.shared_names)
+        self._names_version = -1
         # Background thread (or a caller of sync_now), under _lock.
         self._lock = threading.Lock()
         self._shadow = TransitionLearner(self.half_life, self.confidence_count_scale)
@@ -294,6 +298,13 @@ class SharedLearnedState:
         if policy.learner.half_life != self.half_life:
             raise ValueError("shared state and policy disagree on transition_half_life")
         policy.learner.journal = self.record
+        self.note_names(policy)
+
+    def note_names(self, policy: CacheScoutPolicy) -> None:
+        """Refresh the names agents are shared under (scheduler thread; the dict is swapped whole).
+        on_step does it whenever an anchor was learned or changed."""
+        self._names_version = policy.fingerprints.anchors_version
+        self._names = policy.shared_names()
 
     def record(self, op: tuple) -> None:
         """Journal one learner change (called by the learner; O(1))."""
@@ -304,6 +315,8 @@ class SharedLearnedState:
 
     def on_step(self, policy: CacheScoutPolicy) -> bool:
         """Once per scheduler step: swap in a merged model if one is ready. True when installed."""
+        if policy.fingerprints.anchors_version != self._names_version:
+            self.note_names(policy)
         pub = self._published
         if pub is None:
             return False
@@ -447,8 +460,12 @@ class SharedLearnedState:
                 self._gen, self._flush_seq = v, 0
                 self.stats["registrations"] += 1
             self._flush_seq += 1
-            blob = TransitionSnapshot.of(self._shadow).encode()
+            t0 = time.perf_counter()
+            own = _renamed(self._shadow.decayed_rows(), self._names)
+            blob = TransitionSnapshot.from_rows(self.half_life, own).encode()
+            t1 = time.perf_counter()
             status, v = store.flush(self.replica, self._epoch, self._gen, self._flush_seq, blob, ttl_ms)
+            self.timings.update(encode_s=t1 - t0, flush_s=time.perf_counter() - t1, blob_bytes=len(blob))
             self.stats[f"flush_{status}"] += 1
             if status in ("ok", "dup"):
                 break
@@ -468,7 +485,11 @@ class SharedLearnedState:
                 self._gen = None
                 self.stats["refolded"] += 1
         if read:
-            self._merge(store.read(skip=self.replica, known={n: p.key for n, p in self._peers.items()}), store)
+            t0 = time.perf_counter()
+            view = store.read(skip=self.replica, known={n: p.key for n, p in self._peers.items()})
+            t1 = time.perf_counter()
+            self._merge(view, store)
+            self.timings.update(read_s=t1 - t0, merge_s=time.perf_counter() - t1)
 
     def _meta_value(self, field: str) -> str:
         return {"schema": "v1", "half_life": repr(self.half_life), "hash_domain": self.hash_domain}.get(field, "?")
@@ -534,19 +555,19 @@ class SharedLearnedState:
         half_ms = s.departed_half_life_s * 1000
         pruned = store.prune_departed(int(view.now_ms - half_ms * math.log2(1 / _DEPARTED_FLOOR)))
         self.stats["departed_pruned"] += pruned
+        t0 = time.perf_counter()
         merged = TransitionLearner(self.half_life, self.confidence_count_scale)
         merged.absorb(self._shadow.decayed_rows())
         departed = {b.name: b.at_ms for b in view.departed}
+        local = {shared: name for name, shared in self._names.items()}   # shared name -> this replica's
         for name, peer in peers.items():
             at = departed.get(name)
-            if at is None:
-                merged.absorb(peer.rows)
-                continue
-            w = 0.5 ** (max(0, view.now_ms - at) / half_ms)
+            w = 1.0 if at is None else 0.5 ** (max(0, view.now_ms - at) / half_ms)
             if w >= _DEPARTED_FLOOR:
-                merged.absorb({src: {dst: c * w for dst, c in row.items()} for src, row in peer.rows.items()})
+                merged.absorb(_renamed(peer.rows, local, w, drop_unknown=True))
         self.peer_count = len(view.replicas)
         self.departed_count = len(view.departed)
+        self.timings["build_s"] = time.perf_counter() - t0
         self._published = (merged, self._applied)
         self.stats["merges"] += 1
 
@@ -572,3 +593,25 @@ class SharedLearnedState:
             "peers": self.peer_count, "departed": self.departed_count, "generation": self._gen,
             "flush_seq": self._flush_seq, **{k: int(v) for k, v in sorted(self.stats.items())},
         }
+
+
+def _renamed(rows: Mapping[str, Mapping[str, float]], names: Mapping[str, str], weight: float = 1.0,
+             drop_unknown: bool = False) -> dict[str, dict[str, float]]:
+    """Rows with agents renamed through `names` (absent: unchanged; two names onto one: summed).
+
+    `drop_unknown`: leave out agents under a shared name this replica cannot map to one of its own
+    yet (it has not seen that agent's anchor): no call here will ever carry that name, so its
+    counts would only pull predictions towards an agent that is never observed."""
+    out: dict[str, dict[str, float]] = {}
+    for src, dsts in rows.items():
+        s = names.get(src, src)
+        if drop_unknown and s.startswith(SHARED_PREFIX) and src not in names:
+            continue
+        row = out.setdefault(s, {})
+        for dst, c in dsts.items():
+            d = names.get(dst, dst)
+            if drop_unknown and d.startswith(SHARED_PREFIX) and dst not in names:
+                continue
+            row[d] = row.get(d, 0.0) + c * weight
+    return out
+

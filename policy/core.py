@@ -377,6 +377,24 @@ class CacheScoutPolicy:
                              f"transition_half_life {self.learner.half_life}")
         self.learner.absorb(snapshot.decayed_rows())
 
+    def shared_names(self) -> dict[str, str]:
+        """Local agent name -> the name every replica gives that agent, for the shared state.
+
+        A recognised agent's local name depends on what this replica saw first (a prompt seen
+        before the shared preamble was known is named by the preamble's first block), so replicas
+        can name one agent differently. The chained hash of the agent's first block past the
+        preamble depends only on the prompts' content. Two local agents on one name (the
+        preamble not learned yet) are ambiguous and left out; so are hinted names (already shared)."""
+        out: dict[str, str] = {}
+        owners: dict[str, int] = {}
+        for rec in self.fingerprints.agents():
+            if rec.agent_id in self._aliases or not rec.private_key:
+                continue
+            name = f"anchor-{rec.private_key & (2**64 - 1):016x}"
+            out[rec.agent_id] = name
+            owners[name] = owners.get(name, 0) + 1
+        return {local: name for local, name in out.items() if owners[name] == 1}
+
     def install_learner(self, learner: TransitionLearner) -> None:
         """Predict from `learner` from now on (a merged model built off the serving path).
 

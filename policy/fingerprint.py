@@ -97,6 +97,7 @@ class AgentRecord:
     last_seen: int
     requests: int = 0
     keys: list[int] = dataclasses.field(default_factory=list)
+    private_key: int = 0     # hash of its first block past the preamble, last time seen (its shared name)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -136,6 +137,7 @@ class AgentFingerprinter:
         self._by_key: dict[int, AgentRecord] = {}
         self.requests = 0
         self.retired: list[str] = []        # agents aged out since the caller last looked
+        self.anchors_version = 0            # bumped when an agent's anchor or private key changes
         self._active_window = max(64, int(cfg.fingerprint_half_life // 4))
         self._pending: OrderedDict[int, list[tuple[_Node, int]]] = OrderedDict()  # leaf -> (prefix, child)
         self._repeats: OrderedDict[int, bool] = OrderedDict()  # handles of prompts seen before
@@ -406,8 +408,12 @@ class AgentFingerprinter:
         if anchor is not None and anchor.nid != rec.anchor_node:
             rec.anchor_node = anchor.nid
             rec.anchor_blocks = anchor.end
+            self.anchors_version += 1
             rec.anchor_path = array("q", hashes[:anchor.end])
         rec.preamble_blocks = pre.end
+        if rec.private_key != key:
+            rec.private_key = key
+            self.anchors_version += 1
         rec.last_seen = t
         rec.requests += 1
         self._agents.move_to_end(rec.agent_id)

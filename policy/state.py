@@ -36,13 +36,17 @@ class TransitionSnapshot:
 
     @classmethod
     def of(cls, learner: TransitionLearner) -> TransitionSnapshot:
+        return cls.from_rows(learner.half_life, learner.decayed_rows())
+
+    @classmethod
+    def from_rows(cls, half_life: float, decayed: Mapping[str, Mapping[str, float]]) -> TransitionSnapshot:
         rows: dict[str, dict[str, int]] = {}
-        for src, dsts in learner.decayed_rows().items():
+        for src, dsts in decayed.items():
             row = {dst: int(round(c * COUNT_SCALE)) for dst, c in dsts.items()}
             row = {dst: c for dst, c in row.items() if c > 0}
             if row:
                 rows[src] = row
-        return cls(learner.half_life, rows)
+        return cls(float(half_life), rows)
 
     def merge(self, other: TransitionSnapshot) -> TransitionSnapshot:
         """Sum of decayed counts. Both sides must decay at the same pace."""

@@ -53,9 +53,33 @@ def test_usage_doc_lists_every_setting_with_its_default():
 
     doc = (pathlib.Path(__file__).parent.parent / "docs" / "usage.md").read_text()
     for f in dataclasses.fields(ConnectorSettings):
-        if f.name == "policy":
+        if f.name in ("policy", "shared_state"):
             continue
         default = str(f.default).lower() if isinstance(f.default, bool) else f"{f.default:g}"
         assert f"| `{f.name}` | " in doc, f.name
         row = doc.split(f"| `{f.name}` | ", 1)[1].split("\n", 1)[0]
         assert default in row.split("|")[0], (f.name, default, row)
+
+
+def test_shared_state_doc_lists_every_setting_with_its_default():
+    import dataclasses
+    import pathlib
+
+    from cachescout.connector.shared_state import SharedStateSettings
+
+    doc = (pathlib.Path(__file__).parent.parent / "docs" / "shared_state.md").read_text()
+    for f in dataclasses.fields(SharedStateSettings):
+        key = f"`shared_state.{f.name}`"
+        assert key in doc, f.name
+        row = doc.split(key, 1)[1].split("\n", 1)[0]
+        if f.default is None or f.name in ("model", "replica"):
+            continue
+        if isinstance(f.default, bool):
+            want = str(f.default).lower()
+        elif isinstance(f.default, tuple):
+            want = "[]"
+        elif isinstance(f.default, str):
+            want = f.default
+        else:
+            want = f"{f.default:,g}" if f.default < 1e5 else f"{int(f.default):,}"
+        assert want in row.split("|")[1], (f.name, want, row)

@@ -416,3 +416,42 @@ def test_a_replica_killed_mid_flush_leaves_a_whole_blob_and_its_successor_starts
     # (departed counts fade with a one-hour half-life: seconds cost a few parts in ten thousand)
     assert counts(heir[0]) == {("x", "y"): pytest.approx(folded, rel=1e-3)}
     r.close()
+
+
+@pytest.mark.parametrize("family, seed", [("gsm8k", 1), ("mtbench", 0)])
+def test_agents_named_differently_by_two_replicas_meet_under_shared_names(redis_server, family, seed):
+    """A replica names an agent after what it saw first, so two replicas can give one agent two
+    local names; the shared state carries names derived from the prompts' content instead."""
+    import collections
+
+    from cachescout.bench.policies import CacheScoutReplay
+    from cachescout.bench.replay import Engine, EngineConfig
+    from cachescout.bench.workloads import WorkloadSpec, generate
+
+    sessions = generate(WorkloadSpec(family=family, sessions=80, seed=seed))
+    replicas = []
+    for name, part in (("a", sessions[:40]), ("b", sessions[40:])):
+        policy, shared = make(redis_server.url, name, half_life=200.0)
+        replay = CacheScoutReplay(PolicyConfig())
+        replay.core = policy
+        policy.clock = lambda replay=replay: replay.now
+        Engine(EngineConfig(gpu_blocks=3000), replay).run(part)
+        seen = collections.defaultdict(collections.Counter)
+        for req, obs in replay.observations:
+            if obs.agent:
+                seen[req.agent][obs.agent] += 1
+        local = {agent: c.most_common(1)[0][0] for agent, c in seen.items()}
+        replicas.append((policy, shared, local))
+    (pa, sa, la), (pb, sb, lb) = replicas
+    distinct = [a for a in la if a in lb and list(la.values()).count(la[a]) == 1 == list(lb.values()).count(lb[a])]
+    assert any(la[a] != lb[a] for a in distinct)                    # one agent, two local names
+    names_a, names_b = pa.shared_names(), pb.shared_names()
+    assert all(names_a[la[a]] == names_b[lb[a]] for a in distinct)   # one shared name each
+    own = pb.learner.effective_count(lb["supervisor"])
+    for _ in range(2):
+        for policy, shared in ((pa, sa), (pb, sb)):
+            shared.note_names(policy)
+            assert shared.sync_now()
+            shared.on_step(policy)
+    merged = pb.learner.effective_count(lb["supervisor"])
+    assert merged > 1.5 * own     # b's supervisor row now holds a's supervisor transitions too

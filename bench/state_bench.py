@@ -1,0 +1,307 @@
+"""Benchmarks of the shared learned state (issue 5), on a real redis-server.
+
+    python -m cachescout.bench.state_bench [--redis-url URL] [--json PATH]
+
+1. cost: 8 replicas, each with 10 / 100 / 1,000 agents' transitions; per round, what each replica's
+   background thread spends encoding and flushing its counts, reading the 7 others (first read and
+   steady state, when only changed peers are fetched), decoding and building the merged model, and
+   what the scheduler thread spends installing it (the only part on the serving path).
+2. join: a replica joins a running fleet half-way through a workload; its GPU hit rate and
+   next-agent accuracy on the same requests, started warm from the shared state or cold, against a
+   replica that has run since the start (the fleet), on the fast replay engine.
+
+Without --redis-url a private redis-server is started on a free loopback port (and stopped).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import random
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+from cachescout.connector.shared_state import SharedLearnedState, SharedStateSettings
+from cachescout.policy import CacheScoutPolicy, PolicyConfig
+from cachescout.policy.transitions import END, START
+
+from .policies import CacheScoutReplay
+from .replay import Engine, EngineConfig
+from .run import calibrate_gpu_blocks
+from .workloads import WorkloadSpec, generate
+
+
+@contextlib.contextmanager
+def private_redis() -> Iterator[str]:
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("redis-server is not installed; give --redis-url")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("redis-server did not start") from None
+                time.sleep(0.05)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        proc.wait(5)
+
+
+def _replica(url: str, deployment: str, name: str, half_life: float = 200.0) -> tuple[CacheScoutPolicy,
+                                                                                       SharedLearnedState]:
+    settings = SharedStateSettings.from_mapping({"url": url, "deployment": deployment, "replica": name,
+                                                 "timeout_s": 2.0})
+    policy = CacheScoutPolicy(PolicyConfig(transition_half_life=half_life))
+    shared = SharedLearnedState(settings, half_life=half_life, model="bench", hash_domain="bench")
+    shared.attach(policy)
+    return policy, shared
+
+
+# -- 1. flush and merge cost -------------------------------------------------------------------------
+def cost(url: str, agent_counts: Sequence[int] = (10, 100, 1000), replicas: int = 8, rounds: int = 5,
+         out_degree: int = 8, seed: int = 0) -> list[dict]:
+    rows = []
+    for n in agent_counts:
+        rng = random.Random(seed + n)
+        names = [f"agent-{i:04d}" for i in range(n)]
+        succ = {a: rng.sample(names, min(out_degree, n)) + [END] for a in names}
+        fleet = [_replica(url, f"cost-{n}", f"r{i}") for i in range(replicas)]
+        for policy, _ in fleet:   # every replica sees every agent and its successors a few times
+            for a in names:
+                policy.learner.update(START, a)
+                for b in succ[a]:
+                    policy.learner.update(a, b)
+        samples: dict[str, list[float]] = {}
+        for r in range(rounds + 1):
+            for i, (policy, shared) in enumerate(fleet):
+                for a in rng.sample(names, min(20, n)):   # some new traffic between rounds
+                    policy.learner.update(a, rng.choice(succ[a]))
+                t0 = time.perf_counter()
+                assert shared.sync_now(), shared.status()
+                total = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                policy.learner.update(names[0], succ[names[0]][0])   # one update to replay at install
+                installed = shared.on_step(policy)
+                install = time.perf_counter() - t1
+                if r == 0 and i < replicas - 1:
+                    continue      # first round: the peers were not all written yet
+                kind = "first" if r == 0 else "steady"
+                t = shared.timings
+                for key, v in (("round_s", total), ("encode_s", t["encode_s"]), ("flush_s", t["flush_s"]),
+                               ("read_s", t["read_s"]), ("merge_s", t["merge_s"]), ("build_s", t["build_s"]),
+                               ("install_s", install if installed else float("nan"))):
+                    samples.setdefault(f"{kind}_{key}", []).append(v)
+                samples.setdefault("blob_bytes", []).append(t["blob_bytes"])
+        cells = sum(len(r) for r in fleet[0][0].learner.decayed_rows().values())
+        row = {"agents": n, "replicas": replicas, "transitions_per_replica": cells,
+               "blob_bytes": int(statistics.median(samples["blob_bytes"]))}
+        for key, vals in samples.items():
+            if key != "blob_bytes":
+                row[key.replace("_s", "_ms")] = round(1e3 * statistics.median(vals), 3)
+        rows.append(row)
+        for _, shared in fleet:
+            shared.close(final_flush=False)
+    return rows
+
+
+# -- 2. a replica joining mid-run --------------------------------------------------------------------
+class _SharingReplay(CacheScoutReplay):
+    """CacheScout on the fast replay engine, installing the shared model when one is ready."""
+
+    def __init__(self, shared: SharedLearnedState | None, config: PolicyConfig, sync_every: int = 20) -> None:
+        super().__init__(config)
+        self.shared = shared
+        self.sync_every = sync_every
+        self.arrivals = 0
+        if shared is not None:
+            shared.attach(self.core)
+
+    def arrived(self, req, now: float) -> None:
+        if self.shared is not None:
+            # What the connector's background thread does every flush_interval_s (5 s: about 20
+            # requests of one replica's share here), done in line to keep the replay deterministic.
+            if self.arrivals % self.sync_every == 0:
+                self.shared.sync_now()
+            self.shared.on_step(self.core)
+        self.arrivals += 1
+        super().arrived(req, now)
+
+    def final_flush(self) -> None:
+        self.shared.note_names(self.core)
+        assert self.shared.sync_now(read=False), self.shared.status()
+        self.shared.close(final_flush=False)
+
+
+def join(url: str, family: str = "gsm8k", sessions: int = 480, replicas: int = 4, seed: int = 0,
+         window: int = 25) -> dict:
+    """The fleet (`replicas` replicas, each 1/replicas of the sessions) runs the first half; then a new
+    replica takes over replica 0's share of the second half, warm or cold; replica 0 itself, had it
+    kept running, is the fleet's reference on exactly the same requests."""
+    all_sessions = generate(WorkloadSpec(family=family, sessions=sessions, seed=seed))
+    half = len(all_sessions) // 2
+    share = [[s for i, s in enumerate(all_sessions) if i % replicas == r] for r in range(replicas)]
+    joiner_part = [s for s in share[0] if s in set(all_sessions[half:])]
+    cfg = PolicyConfig()
+    engine_cfg = EngineConfig(gpu_blocks=calibrate_gpu_blocks(share[0], cfg.block_size))
+    deployment = f"join-{family}-{seed}"
+    # The fleet's first half, flushed to Redis.
+    for r in range(replicas):
+        policy = _SharingReplay(_replica(url, deployment, f"fleet-{r}")[1], cfg)
+        first = [s for s in share[r] if s in set(all_sessions[:half])]
+        Engine(engine_cfg, policy).run(first)
+        policy.final_flush()
+    runs = {}
+    # The reference: replica 0 never stopped (warm cache and warm model), measured on the same calls.
+    ref = _SharingReplay(None, cfg)
+    result = Engine(engine_cfg, ref).run(share[0])
+    runs["fleet"] = _per_request(result, ref, {s.session_id for s in joiner_part})
+    for mode in ("warm", "cold"):
+        shared = _replica(url, deployment, f"joiner-{mode}")[1] if mode == "warm" else None
+        policy = _SharingReplay(shared, cfg)
+        result = Engine(engine_cfg, policy).run(joiner_part)
+        runs[mode] = _per_request(result, policy, None)
+        if shared is not None:
+            shared.close(final_flush=False)
+    return _join_figures(runs, window) | {"family": family, "sessions": sessions, "replicas": replicas,
+                                          "seed": seed, "gpu_blocks": engine_cfg.gpu_blocks,
+                                          "joiner_requests": len(runs["cold"])}
+
+
+def _per_request(result, policy: CacheScoutReplay, keep: set | None) -> list[tuple[int, int, int]]:
+    """(prompt tokens, GPU hit tokens, prediction right) per request, in the order issued."""
+    right = {id(req): int(obs.predicted_agent is not None and obs.predicted_agent == obs.agent)
+             for req, obs in policy.observations}
+    reqs = sorted((r for r in result.requests if keep is None or r.session.session_id in keep),
+                  key=lambda r: (r.issued_at, r.session.session_id, r.index))
+    return [(r.prompt_len, r.gpu_hit_tokens, right.get(id(r), 0)) for r in reqs]
+
+
+def _join_figures(runs: dict[str, list[tuple[int, int, int]]], window: int) -> dict:
+    """Per window of requests: GPU hit rate and next-agent accuracy of fleet, warm and cold (paired:
+    the same requests). Catch-up: how many requests the joiner has served when, over its next
+    4 x `window` requests, its hit rate is within 1 point of the fleet's on the same requests (and
+    its next-agent accuracy within 5 points)."""
+    def hit(rows):
+        p = sum(r[0] for r in rows)
+        return sum(r[1] for r in rows) / p if p else 0.0
+
+    def acc(rows):
+        return sum(r[2] for r in rows) / len(rows) if rows else 0.0
+
+    n = min(len(v) for v in runs.values())
+    out: dict = {"window": window, "windows": []}
+    for lo in range(0, n, window):
+        w = {"requests": f"{lo + 1}-{min(n, lo + window)}"}
+        for mode, rows in runs.items():
+            part = rows[lo:lo + window]
+            w[f"{mode}_hit"] = round(hit(part), 4)
+            w[f"{mode}_accuracy"] = round(acc(part), 4)
+        out["windows"].append(w)
+    fleet = runs["fleet"]
+    for mode in ("fleet", "warm", "cold"):
+        rows = runs[mode]
+        for k in (100, 200):
+            out[f"{mode}_hit_first_{k}"] = round(hit(rows[:k]), 4)
+            out[f"{mode}_accuracy_first_{k}"] = round(acc(rows[:k]), 4)
+        out[f"{mode}_hit_all"] = round(hit(rows[:n]), 4)
+        out[f"{mode}_accuracy_all"] = round(acc(rows[:n]), 4)
+        if mode != "fleet":
+            span = 4 * window
+            out[f"{mode}_catch_up_hit"] = next((k for k in range(0, n - span + 1, 5)
+                                                if hit(fleet[k:k + span]) - hit(rows[k:k + span]) <= 0.01), None)
+            out[f"{mode}_catch_up_accuracy"] = next((k for k in range(0, n - span + 1, 5)
+                                                     if acc(fleet[k:k + span]) - acc(rows[k:k + span]) <= 0.05), None)
+    return out
+
+
+def markdown(figures: dict) -> str:
+    """The figures as the tables in docs/shared_state.md."""
+    out = ["Flush and merge, 8 replicas, each agent with 8 successors (milliseconds, medians over the 8 "
+           "replicas and 5 rounds; in every round each replica has new traffic, so every peer's blob is "
+           "fetched and decoded again):", "",
+           "| agents | transitions per replica | blob | encode | flush | read 7 peers | decode + fold + merge "
+           "| of which build | install (scheduler thread) |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in figures["cost"]:
+        out.append(f"| {r['agents']:,} | {r['transitions_per_replica']:,} | {r['blob_bytes'] / 1024:,.1f} KiB "
+                   f"| {r['steady_encode_ms']:.2f} | {r['steady_flush_ms']:.2f} | {r['steady_read_ms']:.2f} "
+                   f"| {r['steady_merge_ms']:.2f} | {r['steady_build_ms']:.2f} | {r['steady_install_ms']:.3f} |")
+    joins = figures["join"]
+    out += ["", "A replica joining half-way (mean over seeds; the joiner takes over one replica's share of the "
+            "second half; \"fleet\" is that replica had it kept running, measured on the same requests; "
+            "catch-up: requests served before its next 100 are within 1 point of the fleet's hit rate / 5 "
+            "points of its next-agent accuracy, median):", "",
+            "| workload | seeds | GPU hit, first 100: fleet / warm / cold | GPU hit, all | next-agent accuracy, "
+            "first 100 | catch-up, hit: warm / cold | catch-up, accuracy: warm / cold |",
+            "|---|---|---|---|---|---|---|"]
+    for family in dict.fromkeys(j["family"] for j in joins):
+        rows = [j for j in joins if j["family"] == family]
+
+        def mean(key, rows=rows):
+            return sum(r[key] for r in rows) / len(rows)
+
+        def med(key, rows=rows):
+            vals = sorted(r[key] if r[key] is not None else r["joiner_requests"] for r in rows)
+            return vals[len(vals) // 2]
+
+        def trio(suffix, fmt, mean=mean):
+            return " / ".join(format(mean(m + suffix), fmt) for m in ("fleet", "warm", "cold"))
+
+        out.append(f"| {family} | {len(rows)} | {trio('_hit_first_100', '.3f')} | {trio('_hit_all', '.3f')} "
+                   f"| {trio('_accuracy_first_100', '.2f')} "
+                   f"| {med('warm_catch_up_hit')} / {med('cold_catch_up_hit')} "
+                   f"| {med('warm_catch_up_accuracy')} / {med('cold_catch_up_accuracy')} |")
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m cachescout.bench.state_bench", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--redis-url", default=None)
+    ap.add_argument("--json", default="state_bench.json")
+    ap.add_argument("--families", default="gsm8k,mtbench,gaia,swebench")
+    ap.add_argument("--seeds", type=int, default=3, help="seeds per family for the join figures (default 3)")
+    args = ap.parse_args(argv)
+    with (contextlib.nullcontext(args.redis_url) if args.redis_url else private_redis()) as url:
+        figures: dict = {"cost": cost(url)}
+        print(f"{'agents':>6} {'cells':>6} {'blob':>8} {'encode':>7} {'flush':>7} {'read 1st':>8} {'read':>7} "
+              f"{'merge 1st':>9} {'merge':>7} {'build':>7} {'install':>8}  (ms, medians over 8 replicas)")
+        for r in figures["cost"]:
+            print(f"{r['agents']:>6} {r['transitions_per_replica']:>6} {r['blob_bytes']:>8,} "
+                  f"{r['steady_encode_ms']:>7.3f} {r['steady_flush_ms']:>7.3f} {r['first_read_ms']:>8.3f} "
+                  f"{r['steady_read_ms']:>7.3f} {r['first_merge_ms']:>9.3f} {r['steady_merge_ms']:>7.3f} "
+                  f"{r['steady_build_ms']:>7.3f} {r['steady_install_ms']:>8.3f}")
+        figures["join"] = []
+        for family in args.families.split(","):
+            for seed in range(args.seeds):
+                j = join(url, family=family, seed=seed)
+                figures["join"].append(j)
+                print(f"{family:<9} seed {seed}: GPU hit first 100 / all: fleet {j['fleet_hit_first_100']:.3f} / "
+                      f"{j['fleet_hit_all']:.3f}, warm {j['warm_hit_first_100']:.3f} / {j['warm_hit_all']:.3f}, "
+                      f"cold {j['cold_hit_first_100']:.3f} / {j['cold_hit_all']:.3f}; accuracy first 100: fleet "
+                      f"{j['fleet_accuracy_first_100']:.2f}, warm {j['warm_accuracy_first_100']:.2f}, cold "
+                      f"{j['cold_accuracy_first_100']:.2f}; catch-up hit / accuracy (requests): warm "
+                      f"{j['warm_catch_up_hit']} / {j['warm_catch_up_accuracy']}, cold {j['cold_catch_up_hit']} / "
+                      f"{j['cold_catch_up_accuracy']} of {j['joiner_requests']}", flush=True)
+    with open(args.json, "w", encoding="utf-8") as f:
+        json.dump(figures, f, indent=1)
+    print(f"wrote {args.json}\n")
+    print(markdown(figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
