@@ -236,17 +236,23 @@ def test_replicas_share_what_they_learned_through_redis(short_workload, redis_se
     shared = {"url": redis_server.url, "deployment": "ci", "flush_interval_s": 0.05, "fold_after_s": 30}
     first = VllmReplay(cfg, "cachescout", {"shared_state": {**shared, "replica": "first"}})
     first.run(sessions[:20])
-    learned = {(s, d) for s, d, _ in first.connector.policy.learner.edges()}
-    assert len(learned) >= 5
+    learned = sum(c for _, _, c in first.connector.policy.learner.edges())
+    assert learned >= 50
     first.connector.shutdown()                       # the final flush
     second = VllmReplay(cfg, "cachescout", {"shared_state": {**shared, "replica": "second"}})
     state = second.connector._shared
     deadline = time.monotonic() + 10
     while state.stats["merges"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
-    result = second.run(sessions[20:22])
+    result = second.run(sessions[20:24])
     assert state.stats["installs"] >= 1
-    assert learned <= {(s, d) for s, d, _ in second.connector.policy.learner.edges()}
+    # Its model holds the first replica's counts beside its own (agents it has not seen yet are left
+    # out until it has: their shared names cannot be mapped to its own names before).
+    with state._lock:
+        state._drain()                         # own counts up to the last update
+    own = sum(c for _, _, c in state._shadow.edges())
+    merged = sum(c for _, _, c in second.connector.policy.learner.edges())
+    assert merged - own >= 0.5 * learned, (merged, own, learned)
     assert len(result.calls) > 0 and state.stats["flush_ok"] >= 1 and state.status()["degraded"] == 0
     reported = second.connector._reported      # what vLLM's scheduler has collected for its metrics so far
     assert reported["state_flushes"] >= 1 and reported["state_merges"] >= 1 and reported["state_errors"] == 0
