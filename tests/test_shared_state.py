@@ -455,3 +455,21 @@ def test_agents_named_differently_by_two_replicas_meet_under_shared_names(redis_
             shared.on_step(policy)
     merged = pb.learner.effective_count(lb["supervisor"])
     assert merged > 1.5 * own     # b's supervisor row now holds a's supervisor transitions too
+
+
+def test_deployments_and_models_on_one_redis_never_mix(redis_server):
+    prod = make(redis_server.url, "a", deployment="prod")
+    staging = make(redis_server.url, "a", deployment="staging")      # same replica name, other deployment
+    settings = SharedStateSettings.from_mapping({"url": redis_server.url, "replica": "a", "deployment": "prod",
+                                                 "model": "other-model"})
+    other_policy = CacheScoutPolicy(PolicyConfig(transition_half_life=HALF_LIFE))
+    other = SharedLearnedState(settings, half_life=HALF_LIFE, model="ignored", hash_domain="d0")
+    other.attach(other_policy)
+    learn(prod[0], [("x", "prod")], 3)
+    learn(staging[0], [("x", "staging")], 2)
+    learn(other_policy, [("x", "other")], 1)
+    sync(prod, staging, (other_policy, other))
+    assert counts(prod[0]) == {("x", "prod"): 3.0}
+    assert counts(staging[0]) == {("x", "staging"): 2.0}
+    assert counts(other_policy) == {("x", "other"): 1.0}
+    assert prod[1].status()["generation"] == staging[1].status()["generation"] == 1   # no fencing across them
