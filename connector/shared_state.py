@@ -36,6 +36,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from cachescout.policy import CacheScoutPolicy, ConfigError, StateDecodeError, TransitionLearner, TransitionSnapshot
+from cachescout.policy.config import reject_unknown
 from cachescout.policy.state import MAX_BLOB_BYTES
 
 from .state_store import NAME_RULE, StateKeys, StateStore, StoreView
@@ -89,11 +90,7 @@ class SharedStateSettings:
     def from_mapping(cls, raw: Mapping[str, Any], where: str = "shared_state") -> SharedStateSettings:
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ConfigError(f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; "
-                              f"accepted: {', '.join(sorted(known))}")
+        reject_unknown(raw, {f.name for f in dataclasses.fields(cls)}, f"{where}: unknown key(s)")
         values = dict(raw)
         for name in cls._STRINGS:
             v = values.get(name)

@@ -98,11 +98,7 @@ class PolicyConfig:
         """Build from a plain mapping (JSON, `kv_connector_extra_config`); unknown keys are errors."""
         if not isinstance(values, Mapping):
             raise ConfigError(f"policy settings must be a mapping of name to value, got {type(values).__name__}")
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
-        if unknown:
-            raise ConfigError(f"unknown setting(s) {', '.join(map(repr, unknown))}; "
-                              f"accepted: {', '.join(sorted(known))}")
+        reject_unknown(values, {f.name for f in dataclasses.fields(cls)}, "unknown setting(s)")
         return cls(**values)
 
     def replace(self, **changes: Any) -> PolicyConfig:
@@ -146,3 +142,10 @@ def _check(f: dataclasses.Field, value: Any) -> None:
     lo, hi, lo_open = f.metadata["lo"], f.metadata["hi"], f.metadata["lo_open"]
     if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
         raise ConfigError(f"setting {f.name!r} must be {_accepted(f)}, got {value!r}")
+
+
+def reject_unknown(values: Mapping[str, Any], known: set[str], what: str) -> None:
+    """ConfigError naming the keys of `values` outside `known`, and the accepted ones."""
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ConfigError(f"{what} {', '.join(map(repr, unknown))}; accepted: {', '.join(sorted(known))}")
