@@ -128,7 +128,7 @@ def test_through_sentinel(redis_server, tmp_path):
         deadline = time.monotonic() + 10
         while True:
             try:
-                if redis.Redis(port=port, socket_timeout=0.5).execute_command(
+                if redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5).execute_command(
                         "SENTINEL", "GET-MASTER-ADDR-BY-NAME", "primary"):
                     break
             except redis.RedisError:
@@ -143,9 +143,24 @@ def test_through_sentinel(redis_server, tmp_path):
         proc.wait(5)
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster-bus port (port + 10000) is free and valid too."""
+    import random
+    rng = random.Random()
+    while True:
+        p = rng.randrange(20000, 50000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", p))
+                b.bind(("127.0.0.1", p + 10000))
+            return p
+        except OSError:
+            continue
+
+
 def test_on_redis_cluster_every_key_of_a_deployment_is_in_one_slot(tmp_path):
     need_redis()
-    ports = [_free_port() for _ in range(3)]
+    ports = [_cluster_port() for _ in range(3)]
     procs = []
     try:
         for p in ports:
@@ -159,7 +174,7 @@ def test_on_redis_cluster_every_key_of_a_deployment_is_in_one_slot(tmp_path):
             deadline = time.monotonic() + 10
             while True:
                 try:
-                    redis.Redis(port=p, socket_timeout=0.5).ping()
+                    redis.Redis(host="127.0.0.1", port=p, socket_timeout=0.5).ping()
                     break
                 except redis.RedisError:
                     assert time.monotonic() < deadline
@@ -167,7 +182,7 @@ def test_on_redis_cluster_every_key_of_a_deployment_is_in_one_slot(tmp_path):
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
         deadline = time.monotonic() + 15
-        while b"cluster_state:ok" not in redis.Redis(port=ports[0]).execute_command("CLUSTER", "INFO"):
+        while b"cluster_state:ok" not in redis.Redis(host="127.0.0.1", port=ports[0]).execute_command("CLUSTER", "INFO"):
             assert time.monotonic() < deadline, "cluster did not form"
             time.sleep(0.1)
         pa, pb = exchange({"url": f"redis://127.0.0.1:{ports[0]}", "cluster": True})
