@@ -182,7 +182,8 @@ def test_on_redis_cluster_every_key_of_a_deployment_is_in_one_slot(tmp_path):
         subprocess.run(["redis-cli", "--cluster", "create", *[f"127.0.0.1:{p}" for p in ports],
                         "--cluster-replicas", "0", "--cluster-yes"], check=True, capture_output=True, timeout=30)
         deadline = time.monotonic() + 15
-        while b"cluster_state:ok" not in redis.Redis(host="127.0.0.1", port=ports[0]).execute_command("CLUSTER", "INFO"):
+        node = redis.Redis(host="127.0.0.1", port=ports[0])
+        while b"cluster_state:ok" not in node.execute_command("CLUSTER", "INFO"):
             assert time.monotonic() < deadline, "cluster did not form"
             time.sleep(0.1)
         pa, pb = exchange({"url": f"redis://127.0.0.1:{ports[0]}", "cluster": True})
