@@ -300,12 +300,15 @@ def _start_script(objs: list[dict], suffix: str) -> tuple[str, dict]:
     return c["args"][0], conf["data"]["redis.conf"]
 
 
-@pytest.mark.parametrize("suffix, user, keys", [("-kv-redis", "lmcache", ["kv-password"]),
-                                                ("-state-redis", "cachescout", ["state-password"])])
-def test_redis_start_scripts_build_acl_users_that_work(tmp_path, suffix, user, keys):
-    """Each Redis pod's start script, run as written (paths moved under a temp dir), makes an ACL
-    file redis-server accepts: the default user may only PING, the service user logs in with the
-    Secret's password and can do its job."""
+@pytest.mark.parametrize("suffix, user, keys, tls", [
+    ("-kv-redis", "lmcache", ["kv-password"], False),
+    ("-state-redis", "cachescout", ["state-password"], False),
+    ("-state-redis", "cachescout", ["state-password"], True),
+], ids=["kv", "state", "state-tls"])
+def test_redis_start_scripts_and_probes_work_on_redis_server(tmp_path, suffix, user, keys, tls):
+    """Each Redis pod's start script, run as written (paths moved under a temp dir), makes a config
+    and an ACL file redis-server accepts; its probe command passes; the default user may only PING;
+    the service user logs in with the Secret's password and can do its job (over TLS when on)."""
     import shutil
     import socket
     import time
@@ -314,45 +317,64 @@ def test_redis_start_scripts_build_acl_users_that_work(tmp_path, suffix, user, k
 
     from conftest import need_redis
     need_redis()
-    if shutil.which("sha256sum") is None:
-        pytest.skip("sha256sum is not installed")
-    objs = [d for d in yaml.safe_load_all(render([]).stdout) if d]
+    for tool in ("sha256sum", "redis-cli") + (("openssl",) if tls else ()):
+        if shutil.which(tool) is None:
+            pytest.skip(f"{tool} is not installed")
+    values = json.dumps({"tls": {"enabled": True, "secretName": "redis-tls"}}) if tls else None
+    objs = [d for d in yaml.safe_load_all(render([], set_json=values).stdout) if d]
     script, conf = _start_script(objs, suffix)
-    for d in ("run", "etc", "secrets", "data"):
+    for d in ("run", "etc", "secrets", "data", "tls"):
         (tmp_path / d).mkdir()
     for k in keys:
         (tmp_path / "secrets" / k).write_text(f"pw-{k}")
-    script = (script.replace("/run/redis", str(tmp_path / "run")).replace("/etc/redis", str(tmp_path / "etc"))
-              .replace("/secrets", str(tmp_path / "secrets")))
-    conf = (conf.replace("aclfile /run/redis", f"aclfile {tmp_path / 'run'}")
-            .replace("dir /data", f"dir {tmp_path / 'data'}"))
-    (tmp_path / "etc" / "redis.conf").write_text(conf)
+    if tls:
+        from test_shared_state_deploy import _certs
+        _certs(str(tmp_path / "tls"))
+        (tmp_path / "tls" / "server.crt").rename(tmp_path / "tls" / "tls.crt")
+        (tmp_path / "tls" / "server.key").rename(tmp_path / "tls" / "tls.key")
+
+    def moved(text: str) -> str:
+        for path, to in (("/run/redis", "run"), ("/etc/redis", "etc"), ("/secrets", "secrets"), ("/tls", "tls"),
+                         ("/data", "data")):
+            text = re.sub(rf"(?<![\w/]){re.escape(path)}(?=[/\s]|$)", str(tmp_path / to), text)
+        return text
+
+    (tmp_path / "etc" / "redis.conf").write_text(moved(conf))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     # Options after the config file override it: a free port on loopback.
-    script = re.sub(r"exec redis-server (\S+)", rf"exec redis-server \1 --port {port} --bind 127.0.0.1", script)
+    ports = f"--tls-port {port} --port 0" if tls else f"--port {port}"
+    script = re.sub(r"exec redis-server (\S+)", rf"exec redis-server \1 {ports} --bind 127.0.0.1", moved(script))
     proc = subprocess.Popen(["sh", "-c", script], env={**os.environ, "POD_NAME": "state-0"},
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    tls_kw = {"ssl": True, "ssl_ca_certs": str(tmp_path / "tls" / "ca.crt")} if tls else {}
+
+    def client(**kw) -> redis.Redis:
+        return redis.Redis(host="127.0.0.1", port=port, socket_timeout=1, **tls_kw, **kw)
+
     try:
         deadline = time.monotonic() + 10
         while True:
             try:
-                if redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5).ping():
+                if client().ping():
                     break
             except redis.RedisError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"redis-server did not start: {proc.stdout.read()[-2000:]}")
             time.sleep(0.05)
-        anonymous = redis.Redis(host="127.0.0.1", port=port)
+        (wl,) = [o for o in objs if o["kind"] in WORKLOADS and o["metadata"]["name"].endswith(suffix)]
+        probe = wl["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["exec"]["command"]
+        probe = [moved(a).replace(" -p 6379", f" -p {port}") for a in probe]
+        assert subprocess.run(probe, capture_output=True, timeout=10).returncode == 0, probe
+        anonymous = client()
         with pytest.raises(redis.exceptions.NoPermissionError):
             anonymous.get("anything")
-        wrong = redis.Redis(host="127.0.0.1", port=port, username=user, password="wrong")
         with pytest.raises(redis.exceptions.AuthenticationError):
-            wrong.ping()
+            client(username=user, password="wrong").ping()
         if user == "lmcache":
-            r = redis.Redis(host="127.0.0.1", port=port, username=user, password="pw-kv-password")
+            r = client(username=user, password="pw-kv-password")
             r.set("chunk:1", b"\x00" * 1024)
             assert r.get("chunk:1") == b"\x00" * 1024 and r.exists("chunk:1") == 1
             assert r.delete("chunk:1") == 1
@@ -368,15 +390,17 @@ def test_redis_start_scripts_build_acl_users_that_work(tmp_path, suffix, user, k
             arg = vllm_args(objs)[vllm_args(objs).index("--kv-transfer-config") + 1]
             shared = json.loads(arg)["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"][
                 "shared_state"]
+            assert shared["url"].startswith("rediss://" if tls else "redis://")
             settings = SharedStateSettings.from_mapping(
-                {**shared, "url": f"redis://127.0.0.1:{port}/0", "password_file": str(tmp_path / "pwfile"),
-                 "replica": "vllm-0"})
+                {**shared, "url": f"{shared['url'].split(':')[0]}://127.0.0.1:{port}/0", "replica": "vllm-0",
+                 "password_file": str(tmp_path / "pwfile"),
+                 **({"tls_ca_file": str(tmp_path / "tls" / "ca.crt")} if tls else {})})
             policy = CacheScoutPolicy(PolicyConfig())
             state = SharedLearnedState(settings, half_life=policy.learner.half_life, model="m", hash_domain="d")
             state.attach(policy)
             learn(policy, [("a", "b")], 3)
             assert state.sync_now(), state.status()
-            assert state.sync_now() and state.stats["auth_errors"] == 0
+            assert state.sync_now() and state.stats["auth_errors"] == 0 and state.stats["flush_ok"] == 2
             state.close(final_flush=False)
         anonymous.close()
     finally:
