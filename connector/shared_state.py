@@ -553,15 +553,17 @@ class SharedLearnedState:
         pruned = store.prune_departed(int(view.now_ms - half_ms * math.log2(1 / _DEPARTED_FLOOR)))
         self.stats["departed_pruned"] += pruned
         t0 = time.perf_counter()
-        merged = TransitionLearner(self.half_life, self.confidence_count_scale)
-        merged.absorb(self._shadow.decayed_rows())
+        # Everyone's counts summed into one set of rows, then one learner built from them.
+        total = self._shadow.decayed_rows()
         departed = {b.name: b.at_ms for b in view.departed}
         local = {shared: name for name, shared in self._names.items()}   # shared name -> this replica's
         for name, peer in peers.items():
             at = departed.get(name)
             w = 1.0 if at is None else 0.5 ** (max(0, view.now_ms - at) / half_ms)
             if w >= _DEPARTED_FLOOR:
-                merged.absorb(_renamed(peer.rows, local, w, drop_unknown=True))
+                _renamed(peer.rows, local, w, drop_unknown=True, into=total)
+        merged = TransitionLearner(self.half_life, self.confidence_count_scale)
+        merged.absorb(total)
         self.peer_count = len(view.replicas)
         self.departed_count = len(view.departed)
         self.timings["build_s"] = time.perf_counter() - t0
@@ -592,14 +594,18 @@ class SharedLearnedState:
         }
 
 
+Rows = dict[str, dict[str, float]]
+
+
 def _renamed(rows: Mapping[str, Mapping[str, float]], names: Mapping[str, str], weight: float = 1.0,
-             drop_unknown: bool = False) -> dict[str, dict[str, float]]:
+             drop_unknown: bool = False, into: Rows | None = None) -> Rows:
     """Rows with agents renamed through `names` (absent: unchanged; two names onto one: summed).
 
     `drop_unknown`: leave out agents under a shared name this replica cannot map to one of its own
     yet (it has not seen that agent's anchor): no call here will ever carry that name, so its
-    counts would only pull predictions towards an agent that is never observed."""
-    out: dict[str, dict[str, float]] = {}
+    counts would only pull predictions towards an agent that is never observed. `into`: add to
+    these rows instead of new ones."""
+    out: Rows = {} if into is None else into
     for src, dsts in rows.items():
         s = names.get(src, src)
         if drop_unknown and s.startswith(SHARED_PREFIX) and src not in names:
