@@ -24,7 +24,8 @@ POLICY_NAME = "cachescout"   # LMCache's CPU-tier policy (lmcache_tier.py; the s
 
 
 def connector_entry(extra: Mapping[str, Any]) -> dict:
-    ConnectorSettings.from_extra_config(extra)   # fails here, naming the field, if anything is off
+    # Fails here, naming the field, if anything is off (secrets and files are the pod's, not here).
+    ConnectorSettings.from_extra_config(extra, check_environment=False)
     return {"kv_connector": "CacheScoutConnector", "kv_connector_module_path": "cachescout.connector",
             "kv_role": "kv_both", "kv_connector_extra_config": dict(extra)}
 

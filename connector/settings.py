@@ -30,8 +30,10 @@ class ConnectorSettings:
     _LIMITS = {"steer_ahead_blocks": (1, 1_000_000), "steer_ahead_factor": (0, 1_000_000)}
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, block_size: int | None = None) -> ConnectorSettings:
-        """`block_size`: vLLM's; the policy takes it (a different `policy.block_size` is an error)."""
+    def from_extra_config(cls, extra: Mapping[str, Any] | None, *, block_size: int | None = None,
+                          check_environment: bool = True) -> ConnectorSettings:
+        """`block_size`: vLLM's; the policy takes it (a different `policy.block_size` is an error).
+        `check_environment`: see SharedStateSettings.from_mapping."""
         if extra is not None and not isinstance(extra, Mapping):
             raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
         extra = dict(extra or {})
@@ -69,5 +71,6 @@ class ConnectorSettings:
                                   f"got {v!r}")
         shared = extra.pop("shared_state", None)
         if shared is not None:
-            shared = SharedStateSettings.from_mapping(shared, "kv_connector_extra_config.shared_state")
+            shared = SharedStateSettings.from_mapping(shared, "kv_connector_extra_config.shared_state",
+                                                      check_environment=check_environment)
         return cls(policy=policy_cfg, shared_state=shared, **extra)

@@ -87,7 +87,10 @@ class SharedStateSettings:
                 "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file")
 
     @classmethod
-    def from_mapping(cls, raw: Mapping[str, Any], where: str = "shared_state") -> SharedStateSettings:
+    def from_mapping(cls, raw: Mapping[str, Any], where: str = "shared_state", *,
+                     check_environment: bool = True) -> SharedStateSettings:
+        """`check_environment`: also check that the password variable is set and the files are
+        readable (at start-up, in the pod; not when printing a configuration elsewhere)."""
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
         reject_unknown(raw, {f.name for f in dataclasses.fields(cls)}, f"{where}: unknown key(s)")
@@ -113,10 +116,10 @@ class SharedStateSettings:
             raise ConfigError(f"{where}.sentinels must be a list of \"host:port\" strings, got {sentinels!r}")
         values["sentinels"] = tuple(sentinels)
         s = cls(**values)
-        s._check(where)
+        s._check(where, check_environment)
         return s
 
-    def _check(self, where: str) -> None:
+    def _check(self, where: str, check_environment: bool) -> None:
         if self.sentinels or self.sentinel_service:
             if not (self.sentinels and self.sentinel_service):
                 raise ConfigError(f"{where}: 'sentinels' and 'sentinel_service' go together (give both)")
@@ -135,11 +138,11 @@ class SharedStateSettings:
                                   "and logs); use 'password_env' or 'password_file'")
         if self.password_env and self.password_file:
             raise ConfigError(f"{where}: give 'password_env' or 'password_file', not both")
-        if self.password_env and self.password_env not in os.environ:
+        if check_environment and self.password_env and self.password_env not in os.environ:
             raise ConfigError(f"{where}.password_env names ${self.password_env}, which is not set")
         for name in ("password_file", "tls_ca_file", "tls_cert_file", "tls_key_file"):
             path = getattr(self, name)
-            if path is not None and not os.access(path, os.R_OK):
+            if check_environment and path is not None and not os.access(path, os.R_OK):
                 raise ConfigError(f"{where}.{name}: cannot read {path!r}")
         if self.fold_after_s < 3 * self.flush_interval_s * (1 - 1e-9):
             raise ConfigError(f"{where}.fold_after_s ({self.fold_after_s}) must be at least 3 x flush_interval_s "

@@ -99,3 +99,14 @@ def test_state_errors_are_one_line(capsys):
                  "--shared-state", '{"timeout_s": 0.1}']) == 1
     err = capsys.readouterr().err
     assert err.startswith("cachescout state: error: Redis at redis://127.0.0.1:1") and err.count("\n") == 1
+
+
+def test_config_with_shared_state_does_not_need_the_pods_secrets(capsys, monkeypatch):
+    monkeypatch.delenv("CS_NOT_HERE", raising=False)
+    settings = json.dumps({"shared_state": {"url": "redis://state:6379", "password_env": "CS_NOT_HERE",
+                                            "tls_ca_file": "/ca.crt"}})
+    assert main(["config", "--settings", settings]) == 0
+    out = capsys.readouterr().out
+    assert '"password_env": "CS_NOT_HERE"' in out
+    assert main(["config", "--settings", '{"shared_state": {"url": "http://state"}}']) == 2
+    assert "shared_state.url" in capsys.readouterr().err
