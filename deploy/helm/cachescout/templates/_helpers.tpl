@@ -156,3 +156,24 @@ capabilities:
         path: {{ . }}
       {{- end }}
 {{- end -}}
+
+{{/* Startup, readiness and liveness probes of a Redis or Sentinel container: PING as the default
+user (allowed nothing else). `startupFailures` x 2 s covers loading (AOF replay). */}}
+{{- define "cachescout.redisProbes" -}}
+{{- $ping := printf "%s ping | grep -q PONG" (include "cachescout.redisCli" (dict "Values" .Values "port" .port)) -}}
+startupProbe:
+  exec:
+    command: ["sh", "-c", {{ $ping | quote }}]
+  periodSeconds: 2
+  failureThreshold: {{ .startupFailures }}
+readinessProbe:
+  exec:
+    command: ["sh", "-c", {{ $ping | quote }}]
+  periodSeconds: 5
+livenessProbe:
+  exec:
+    command: ["sh", "-c", {{ $ping | quote }}]
+  periodSeconds: 10
+  failureThreshold: 6
+  timeoutSeconds: 5
+{{- end -}}
