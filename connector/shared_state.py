@@ -252,9 +252,12 @@ class SharedLearnedState:
 
     def __init__(self, settings: SharedStateSettings, *, half_life: float, confidence_count_scale: float = 8.0,
                  model: str, hash_domain: str, client_factory: Callable[[SharedStateSettings], Any] = connect,
-                 clock: Callable[[], float] = time.monotonic, max_journal: int = 1_000_000) -> None:
+                 clock: Callable[[], float] = time.monotonic, max_journal: int = 1_000_000,
+                 replica_suffix: str = "") -> None:
+        """`replica_suffix`: tells apart several schedulers of one pod (vLLM data-parallel ranks),
+        each of which learns and writes on its own."""
         self.settings = settings
-        self.replica = settings.replica_name()
+        self.replica = settings.replica_name() + replica_suffix
         self.keys = StateKeys(settings.deployment, settings.model or model)
         self.half_life = float(half_life)
         self.confidence_count_scale = float(confidence_count_scale)

@@ -174,7 +174,8 @@ class CacheScoutConnector(KVConnectorBase_V1):
                 self._shared = SharedLearnedState(
                     self.settings.shared_state, half_life=self.settings.policy.transition_half_life,
                     confidence_count_scale=self.settings.policy.confidence_count_scale,
-                    model=_model_name(vllm_config), hash_domain=_hash_domain(vllm_config))
+                    model=_model_name(vllm_config), hash_domain=_hash_domain(vllm_config),
+                    replica_suffix=_dp_suffix(vllm_config))
                 self._shared.attach(self.policy)
                 self._shared.start()
 
@@ -363,6 +364,12 @@ def _model_name(vllm_config: VllmConfig) -> str:
     mc = vllm_config.model_config
     name = mc.served_model_name if isinstance(getattr(mc, "served_model_name", None), str) else mc.model
     return "".join(c if c.isalnum() or c in "._:/@=+-" else "-" for c in str(name))[:128] or "model"
+
+
+def _dp_suffix(vllm_config: VllmConfig) -> str:
+    """Each data-parallel rank runs its own scheduler, hence its own writer: name them apart."""
+    pc = vllm_config.parallel_config
+    return f"-dp{pc.data_parallel_rank}" if getattr(pc, "data_parallel_size", 1) > 1 else ""
 
 
 def _hash_domain(vllm_config: VllmConfig) -> str:

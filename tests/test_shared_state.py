@@ -473,3 +473,19 @@ def test_deployments_and_models_on_one_redis_never_mix(redis_server):
     assert counts(staging[0]) == {("x", "staging"): 2.0}
     assert counts(other_policy) == {("x", "other"): 1.0}
     assert prod[1].status()["generation"] == staging[1].status()["generation"] == 1   # no fencing across them
+
+
+def test_data_parallel_ranks_of_one_pod_write_apart(redis_server):
+    """Two schedulers of one pod (vLLM data-parallel ranks) are two writers, not one fenced by the other."""
+    settings = SharedStateSettings.from_mapping({"url": redis_server.url, "replica": "pod-0", "deployment": "dp"})
+    ranks = []
+    for rank in range(2):
+        policy = CacheScoutPolicy(PolicyConfig(transition_half_life=HALF_LIFE))
+        shared = SharedLearnedState(settings, half_life=HALF_LIFE, model="m", hash_domain="d0",
+                                    replica_suffix=f"-dp{rank}")
+        shared.attach(policy)
+        learn(policy, [("x", f"rank{rank}")], 2)
+        ranks.append((policy, shared))
+    sync(*ranks)
+    assert not any(s.superseded for _, s in ranks)
+    assert counts(ranks[0][0]) == counts(ranks[1][0]) == {("x", "rank0"): 2.0, ("x", "rank1"): 2.0}
