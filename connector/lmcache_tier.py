@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -71,6 +72,7 @@ class CacheScoutCachePolicy(BaseCachePolicy):
     def __init__(self, ranking: AgentRanking | None = None) -> None:
         self.ranking = ranking if ranking is not None else RANKING
         self.stats: Counter[str] = Counter()
+        _POLICIES.add(self)
 
     def init_mutable_mapping(self) -> OrderedDict:
         return OrderedDict()   # insertion order = LRU order; hits move to the end
@@ -96,6 +98,10 @@ class CacheScoutCachePolicy(BaseCachePolicy):
             if len(window) >= limit:
                 break
         if not window:
+            # Every chunk is pinned (typically: its Redis write is still in flight). LMCache's store
+            # path does not wait here, so the chunk being stored is dropped: counted, so that it is
+            # seen (vllm:cachescout_cpu_no_evictable_total) and the CPU tier can be sized up.
+            self.stats["no_evictable"] += 1
             return []
         window.sort()   # lowest probability first, then oldest
         chosen = [key for _, _, key in window[:num_candidates]]
@@ -103,6 +109,17 @@ class CacheScoutCachePolicy(BaseCachePolicy):
             self.stats["steered"] += 1   # differs from what LRU would have evicted
         self.stats["evictions"] += len(chosen)
         return chosen
+
+
+_POLICIES: weakref.WeakSet = weakref.WeakSet()   # this process's CPU-tier policies (one per LMCache engine)
+
+
+def cpu_tier_stats() -> Counter:
+    """Counts of every CacheScout CPU-tier policy in this process."""
+    total: Counter[str] = Counter()
+    for policy in list(_POLICIES):
+        total.update(policy.stats)
+    return total
 
 
 def current_engine() -> Any:

@@ -102,7 +102,22 @@ PROM_COUNTERS = {
     "state_merges": "merged models built from every replica's counts",
     "state_errors": "failed rounds with the shared-state Redis (auth errors included)",
     "state_rejected_blobs": "shared-state entries rejected (corrupt, oversized, incompatible)",
+    # Worker side (LMCache's CPU tier and CacheScout's prefetcher), summed over workers.
+    "cpu_evictions": "LMCache CPU-tier evictions chosen by CacheScout's policy",
+    "cpu_steered": "of which differed from LRU's choice",
+    "cpu_no_evictable": "CPU-tier evictions that found every chunk pinned (LMCache then drops the store)",
+    "prefetch_submitted": "anchor prefetches requested from the workers",
+    "prefetch_chunks_loaded": "chunks prefetched from Redis into the CPU tier",
+    "prefetch_skipped_slower": "prefetches skipped: loading would be slower than recomputing",
+    "prefetch_errors": "prefetches that failed (logged; serving unaffected)",
 }
+
+# Worker-side counters: name reported -> (source, its own name).
+_WORKER_COUNTERS = {"cpu_evictions": ("cpu", "evictions"), "cpu_steered": ("cpu", "steered"),
+                    "cpu_no_evictable": ("cpu", "no_evictable"), "prefetch_submitted": ("prefetch", "submitted"),
+                    "prefetch_chunks_loaded": ("prefetch", "chunks_loaded"),
+                    "prefetch_skipped_slower": ("prefetch", "skipped_slower_than_recompute"),
+                    "prefetch_errors": ("prefetch", "errors")}
 
 
 class CacheScoutPromMetrics(KVConnectorPromMetrics):
@@ -274,7 +289,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Counters since the last report; vLLM asks every step, we answer about once a second."""
         if self._steering is None:
-            return None
+            return self._worker_stats()
         t = self._steering.clock()
         if t - self._reported_at < 1.0:
             return None
@@ -299,6 +314,22 @@ class CacheScoutConnector(KVConnectorBase_V1):
             if degraded or self._reported_degraded:
                 delta["state_degraded"] = degraded
             self._reported_degraded = degraded
+        return CacheScoutStats(data=delta) if delta else None
+
+    def _worker_stats(self) -> KVConnectorStats | None:
+        """A worker's counts (CPU-tier policy, prefetcher) since its last report; vLLM sums them
+        with the scheduler's."""
+        if self._lmcache is None:
+            return None
+        t = time.monotonic()
+        if t - self._reported_at < 1.0:
+            return None
+        self._reported_at = t
+        sources = {"cpu": self._lmcache.cpu_tier_stats(),
+                   "prefetch": self._prefetcher.stats if self._prefetcher is not None else {}}
+        now = {name: sources[src].get(key, 0) for name, (src, key) in _WORKER_COUNTERS.items()}
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
+        self._reported = now
         return CacheScoutStats(data=delta) if delta else None
 
     @classmethod

@@ -163,6 +163,13 @@ def test_prometheus_counters_follow_the_stats(runs):
     assert registry.get_sample_value("vllm:cachescout_gpu_hit_tokens_total", labels) == 2 * data["gpu_hit_tokens"]
     assert 0 < data["gpu_hit_tokens"] < data["prompt_tokens"]
     assert registry.get_sample_value("vllm:cachescout_fallback_to_lru", labels) == 0
+    # Workers' counts (summed by vLLM into the same stats) and the shared state's level.
+    prom.observe({"cpu_no_evictable": 3, "prefetch_chunks_loaded": 20, "state_degraded": 1}, 0)
+    assert registry.get_sample_value("vllm:cachescout_cpu_no_evictable_total", labels) == 3
+    assert registry.get_sample_value("vllm:cachescout_prefetch_chunks_loaded_total", labels) == 20
+    assert registry.get_sample_value("vllm:cachescout_shared_state_degraded", labels) == 1
+    prom.observe({"state_degraded": 0}, 0)
+    assert registry.get_sample_value("vllm:cachescout_shared_state_degraded", labels) == 0
 
 
 def test_workers_get_agent_scores_for_the_lmcache_tier(short_workload):

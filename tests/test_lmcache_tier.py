@@ -264,12 +264,32 @@ def test_worker_connector_prefetches_what_the_scheduler_predicts(redis_server, a
     try:
         worker.bind_connector_metadata(CacheScoutMetadata({"coder": 0.9}, [(coder.tokens.tolist(), coder.configs)]))
         assert worker._prefetcher is not None and worker._prefetcher.wait_idle(20)
+        stats = worker.get_kv_connector_stats().data     # what vLLM adds to the scheduler's counts
+        assert stats["prefetch_submitted"] == 1
+        assert stats["cpu_evictions"] >= 20               # storing the three agents filled the CPU tier
         if cpu_load_gbps is not None:
             assert in_cpu(engine, coder) == 0
             assert worker._prefetcher.stats["skipped_slower_than_recompute"] == 1
+            assert stats["prefetch_skipped_slower"] == 1 and "prefetch_chunks_loaded" not in stats
             return
         assert in_cpu(engine, coder) == 20
+        assert stats["prefetch_chunks_loaded"] == 20
+        assert worker.get_kv_connector_stats() is None    # at most once a second
         assert dict(lmcache_tier.RANKING.scores()) == {"coder": 0.9}
     finally:
         lmcache_tier.RANKING.update({})
         worker.shutdown()
+
+
+def test_a_cpu_tier_with_every_chunk_pinned_is_counted():
+    """LMCache drops a store when no CPU chunk can be evicted (all pinned by in-flight Redis
+    writes); the policy counts each such miss so it shows in vLLM's metrics."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    policy = lmcache_tier.CacheScoutCachePolicy(lmcache_tier.AgentRanking())
+    pinned = OrderedDict((f"k{i}", SimpleNamespace(can_evict=False)) for i in range(5))
+    assert policy.get_evict_candidates(pinned, 1) == []
+    assert policy.stats["no_evictable"] == 1 and lmcache_tier.cpu_tier_stats()["no_evictable"] >= 1
+    pinned["k9"] = SimpleNamespace(can_evict=True)
+    assert policy.get_evict_candidates(pinned, 1) == ["k9"] and policy.stats["no_evictable"] == 1
