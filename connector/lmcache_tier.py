@@ -79,6 +79,8 @@ class CacheScoutCachePolicy(BaseCachePolicy):
 
     def update_on_hit(self, key: Any, cache_dict: OrderedDict) -> None:
         cache_dict.move_to_end(key)
+        if PREFETCHED and PREFETCHED.take(key):
+            self.stats["prefetch_used"] += 1
 
     def update_on_put(self, key: Any) -> None:
         pass
@@ -105,12 +107,38 @@ class CacheScoutCachePolicy(BaseCachePolicy):
             return []
         window.sort()   # lowest probability first, then oldest
         chosen = [key for _, _, key in window[:num_candidates]]
+        if PREFETCHED:
+            self.stats["prefetch_wasted"] += sum(PREFETCHED.take(key) for key in chosen)
         if window[0][1] != 0:
             self.stats["steered"] += 1   # differs from what LRU would have evicted
         self.stats["evictions"] += len(chosen)
         return chosen
 
 
+class _Prefetched:
+    """Keys the prefetcher brought into the CPU tier and nothing has read yet (bounded: the oldest
+    are forgotten first). A hit makes one "used", an eviction "wasted"."""
+
+    def __init__(self, limit: int = 100_000) -> None:
+        self._keys: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.limit = limit
+
+    def __bool__(self) -> bool:
+        return bool(self._keys)
+
+    def add(self, key: Any) -> None:
+        with self._lock:
+            self._keys[key] = None
+            if len(self._keys) > self.limit:
+                self._keys.popitem(last=False)
+
+    def take(self, key: Any) -> bool:
+        with self._lock:
+            return self._keys.pop(key, 0) is None
+
+
+PREFETCHED = _Prefetched()
 _POLICIES: weakref.WeakSet = weakref.WeakSet()   # this process's CPU-tier policies (one per LMCache engine)
 
 
@@ -236,10 +264,11 @@ class Prefetcher:
             return
         objs = manager.batched_get(present, location="RemoteBackend")
         loaded = 0
-        for obj in objs:
+        for key, obj in zip(present, objs, strict=True):
             if obj is not None:
                 obj.ref_count_down()   # the CPU tier holds its own reference now
                 loaded += 1
+                PREFETCHED.add(key)
         self.stats["chunks_loaded"] += loaded
         self.stats["requests_done"] += 1
 

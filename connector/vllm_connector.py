@@ -110,6 +110,8 @@ PROM_COUNTERS = {
     "prefetch_chunks_loaded": "chunks prefetched from Redis into the CPU tier",
     "prefetch_skipped_slower": "prefetches skipped: loading would be slower than recomputing",
     "prefetch_errors": "prefetches that failed (logged; serving unaffected)",
+    "prefetch_used": "prefetched chunks read from the CPU tier before being evicted",
+    "prefetch_wasted": "prefetched chunks evicted from the CPU tier unread",
 }
 
 # Worker-side counters: name reported -> (source, its own name).
@@ -117,7 +119,8 @@ _WORKER_COUNTERS = {"cpu_evictions": ("cpu", "evictions"), "cpu_steered": ("cpu"
                     "cpu_no_evictable": ("cpu", "no_evictable"), "prefetch_submitted": ("prefetch", "submitted"),
                     "prefetch_chunks_loaded": ("prefetch", "chunks_loaded"),
                     "prefetch_skipped_slower": ("prefetch", "skipped_slower_than_recompute"),
-                    "prefetch_errors": ("prefetch", "errors")}
+                    "prefetch_errors": ("prefetch", "errors"), "prefetch_used": ("cpu", "prefetch_used"),
+                    "prefetch_wasted": ("cpu", "prefetch_wasted")}
 
 
 class CacheScoutPromMetrics(KVConnectorPromMetrics):

@@ -293,3 +293,34 @@ def test_a_cpu_tier_with_every_chunk_pinned_is_counted():
     assert policy.stats["no_evictable"] == 1 and lmcache_tier.cpu_tier_stats()["no_evictable"] >= 1
     pinned["k9"] = SimpleNamespace(can_evict=True)
     assert policy.get_evict_candidates(pinned, 1) == ["k9"] and policy.stats["no_evictable"] == 1
+
+
+def test_prefetched_chunks_are_counted_used_when_read_and_wasted_when_evicted_unread(redis_server, agents):
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    coder, _, _ = agents
+    engine = build_engine(redis_server.url, "cachescout")
+    store_in_order(engine, agents)
+    policy = cpu_tier(engine).cache_policy
+    assert in_cpu(engine, coder) == 0 and policy.stats["prefetch_used"] == 0
+    prefetcher = Prefetcher(engine, max_chunks=64)
+    try:
+        assert prefetcher.submit(coder.tokens.tolist(), {"agent": "coder"}) and prefetcher.wait_idle(20)
+        assert prefetcher.stats["chunks_loaded"] == 20
+        # As under vLLM: the scheduler's lookup pins (a hit, for the CPU-tier policy), then the load.
+        for n in range(2):
+            assert engine.lookup(coder.tokens, lookup_id=f"r{n}", pin=True,
+                                 request_configs=coder.configs) == len(coder.tokens)
+            out = torch.zeros_like(coder.kv)
+            engine.retrieve(coder.tokens, kvcaches=out, request_configs=coder.configs)
+            engine.lookup_unpin(f"r{n}")
+            assert torch.equal(out, coder.kv)
+            # each prefetched chunk is used once, however often it is hit
+            assert policy.stats["prefetch_used"] == 20 and policy.stats["prefetch_wasted"] == 0
+    finally:
+        prefetcher.close()
+    lmcache_tier.PREFETCHED.add("never-read")
+    unread = OrderedDict([("never-read", SimpleNamespace(can_evict=True))])
+    assert policy.get_evict_candidates(unread, 1) == ["never-read"]
+    assert policy.stats["prefetch_wasted"] == 1
