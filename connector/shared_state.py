@@ -483,7 +483,8 @@ class SharedLearnedState:
                     self._gen = None
                     return
                 # Folded in by peers while silent (paused, partitioned): its counts up to the last
-                # flush are in "departed"; start a new life with the counts learned since.
+                # flush are in "departed"; start a new life counting from zero (what was learned
+                # since that flush is lost: at most one flush interval, never counted twice).
                 self._shadow = TransitionLearner(self.half_life, self.confidence_count_scale)
                 self._gen = None
                 self.stats["refolded"] += 1
