@@ -55,6 +55,7 @@ class SharedStateSettings:
     url: str | None = None                   # redis://, rediss:// (TLS) or unix://; no password in it
     sentinels: tuple[str, ...] = ()          # "host:port" of Sentinels; with sentinel_service, replaces url
     sentinel_service: str | None = None
+    sentinel_tls: bool = False               # Sentinels and the master speak TLS (with url: rediss:// says so)
     cluster: bool = False                    # url points at a Redis Cluster node
     deployment: str = "default"
     model: str | None = None                 # default: vLLM's model name
@@ -108,8 +109,9 @@ class SharedStateSettings:
             v = values.get(name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
                 raise ConfigError(f"{where}.{name} must be an integer in [{lo}, {hi}], got {v!r}")
-        if "cluster" in values and not isinstance(values["cluster"], bool):
-            raise ConfigError(f"{where}.cluster must be true or false, got {values['cluster']!r}")
+        for name in ("cluster", "sentinel_tls"):
+            if name in values and not isinstance(values[name], bool):
+                raise ConfigError(f"{where}.{name} must be true or false, got {values[name]!r}")
         sentinels = values.get("sentinels", ())
         if not isinstance(sentinels, (list, tuple)) or not all(
                 isinstance(s, str) and _host_port(s) is not None for s in sentinels):
@@ -125,6 +127,8 @@ class SharedStateSettings:
                 raise ConfigError(f"{where}: 'sentinels' and 'sentinel_service' go together (give both)")
             if self.cluster:
                 raise ConfigError(f"{where}: 'cluster' and 'sentinels' exclude each other")
+        elif self.sentinel_tls:
+            raise ConfigError(f"{where}.sentinel_tls applies to 'sentinels'; with 'url', use rediss://")
         elif self.url is None:
             raise ConfigError(f"{where}: give 'url' (redis://, rediss:// or unix://) or 'sentinels' + "
                               "'sentinel_service'")
@@ -195,10 +199,12 @@ def connect(settings: SharedStateSettings) -> Any:
     if settings.sentinels:
         from redis.sentinel import Sentinel
         hosts = [_host_port(s) for s in settings.sentinels]
-        sentinel = Sentinel(hosts, sentinel_kwargs={k: common[k] for k in ("socket_timeout", "socket_connect_timeout",
-                                                                           "username", "password")},
-                            **({"ssl": True, **tls} if tls else {}))
-        return sentinel.master_for(settings.sentinel_service, **common)
+        ssl = {"ssl": True, **tls} if settings.sentinel_tls else {}
+        # Sentinels are asked without credentials (the ACL user is the master's): protect them by
+        # network policy, as the Helm chart does.
+        sentinel = Sentinel(hosts, sentinel_kwargs={"socket_timeout": settings.timeout_s,
+                                                    "socket_connect_timeout": settings.timeout_s, **ssl})
+        return sentinel.master_for(settings.sentinel_service, **common, **ssl)
     if tls:
         common.update(tls)
     if settings.cluster:

@@ -117,30 +117,63 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_through_sentinel(redis_server, tmp_path):
+@pytest.mark.parametrize("mode", ["plain", "acl-user", "tls"])
+def test_through_sentinel(tmp_path, monkeypatch, mode):
+    """The master found through Sentinel; with an ACL user the credentials go to the master only
+    (Sentinels are asked without them); with TLS, Sentinels and master speak TLS."""
+    need_redis()
+    tls = mode == "tls"
+    if tls:
+        if shutil.which("openssl") is None:
+            pytest.skip("openssl is not installed")
+        _certs(str(tmp_path))
+        files = ["--tls-cert-file", str(tmp_path / "server.crt"), "--tls-key-file", str(tmp_path / "server.key"),
+                 "--tls-ca-cert-file", str(tmp_path / "ca.crt"), "--tls-auth-clients", "no"]
+        mport = _free_port()
+        master = RedisServer(port=mport, scheme="rediss", extra=["--tls-port", str(mport), *files])
+    else:
+        master = RedisServer()
     port = _free_port()
     conf = tmp_path / "sentinel.conf"
-    conf.write_text(f"port {port}\nbind 127.0.0.1\ndir {tmp_path}\n"
-                    f"sentinel monitor primary 127.0.0.1 {redis_server.port} 1\n")
+    lines = ["bind 127.0.0.1", f"dir {tmp_path}"]
+    if tls:
+        lines += ["port 0", f"tls-port {port}", f"tls-cert-file {tmp_path / 'server.crt'}",
+                  f"tls-key-file {tmp_path / 'server.key'}", f"tls-ca-cert-file {tmp_path / 'ca.crt'}",
+                  "tls-auth-clients no", "tls-replication yes"]
+    else:
+        lines += [f"port {port}"]
+    lines += [f"sentinel monitor primary 127.0.0.1 {master.port} 1"]
+    conf.write_text("\n".join(lines) + "\n")
     proc = subprocess.Popen(["redis-server", str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
+    tls_kw = {"ssl": True, "ssl_ca_certs": str(tmp_path / "ca.crt")} if tls else {}
     try:
         deadline = time.monotonic() + 10
         while True:
             try:
-                if redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5).execute_command(
+                if redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, **tls_kw).execute_command(
                         "SENTINEL", "GET-MASTER-ADDR-BY-NAME", "primary"):
                     break
             except redis.RedisError:
                 pass
             assert time.monotonic() < deadline, "sentinel did not start"
             time.sleep(0.1)
-        pa, _ = exchange({"sentinels": [f"127.0.0.1:{port}"], "sentinel_service": "primary"})
+        settings: dict = {"sentinels": [f"127.0.0.1:{port}"], "sentinel_service": "primary"}
+        if mode == "acl-user":
+            admin = redis.Redis(host="127.0.0.1", port=master.port)
+            admin.execute_command("ACL", "SETUSER", "cachescout", "on", ">sentinel-pw", "~cs:*", "+@all")
+            admin.close()
+            monkeypatch.setenv("CS_PW", "sentinel-pw")
+            settings |= {"username": "cachescout", "password_env": "CS_PW"}
+        if tls:
+            settings |= {"sentinel_tls": True, "tls_ca_file": str(tmp_path / "ca.crt")}
+        pa, _ = exchange(settings)
         assert set(pa) == {"y", "z"}
-        assert redis.Redis.from_url(redis_server.url).exists("cs:{prod|m}:v1:meta")
+        assert redis.Redis(host="127.0.0.1", port=master.port, **tls_kw).exists("cs:{prod|m}:v1:meta")
     finally:
         proc.terminate()
         proc.wait(5)
+        master.stop()
 
 
 def _cluster_port() -> int:

@@ -120,6 +120,9 @@ capabilities:
 {{- end -}}
 {{- $_ := set $s "sentinels" $sentinels -}}
 {{- $_ := set $s "sentinel_service" .Values.stateRedis.sentinel.masterName -}}
+{{- if .Values.tls.enabled -}}
+{{- $_ := set $s "sentinel_tls" true -}}
+{{- end -}}
 {{- else -}}
 {{- $_ := set $s "url" (printf "%s://%s:%d/0" $scheme (include "cachescout.stateHost" .) (int .Values.stateRedis.port)) -}}
 {{- end -}}
