@@ -324,3 +324,52 @@ def test_prefetched_chunks_are_counted_used_when_read_and_wasted_when_evicted_un
     unread = OrderedDict([("never-read", SimpleNamespace(can_evict=True))])
     assert policy.get_evict_candidates(unread, 1) == ["never-read"]
     assert policy.stats["prefetch_wasted"] == 1
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_kv_tier_as_the_helm_chart_sets_it_up(tmp_path, agents, tls):
+    """LMCache's own Redis connector on a redis-server configured like the chart's KV tier: the
+    `lmcache` ACL user with the chart's rule, the URL in the form the chart's Secret holds (password
+    inside, `?ssl_ca_certs=` with TLS). Evicted chunks come back from Redis bit-exact."""
+    import pathlib
+    import re
+    import shutil
+    import socket
+
+    import redis as redis_py
+    from conftest import RedisServer, need_redis
+
+    need_redis()
+    helpers = (pathlib.Path(__file__).parent.parent / "deploy" / "helm" / "cachescout" / "templates" / "_helpers.tpl")
+    rule = re.search(r'define "cachescout.kvAcl" -}}\n(.*)\n', helpers.read_text()).group(1).split()
+    extra: list[str] = []
+    if tls:
+        if shutil.which("openssl") is None:
+            pytest.skip("openssl is not installed")
+        from test_shared_state_deploy import _certs
+        _certs(str(tmp_path))
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        extra = ["--tls-port", str(port), "--tls-cert-file", str(tmp_path / "server.crt"),
+                 "--tls-key-file", str(tmp_path / "server.key"), "--tls-ca-cert-file", str(tmp_path / "ca.crt"),
+                 "--tls-auth-clients", "no"]
+        server = RedisServer(port=port, scheme="rediss", extra=extra)
+    else:
+        server = RedisServer()
+    try:
+        tls_kw = {"ssl": True, "ssl_ca_certs": str(tmp_path / "ca.crt")} if tls else {}
+        admin = redis_py.Redis(host="127.0.0.1", port=server.port, **tls_kw)
+        admin.execute_command("ACL", "SETUSER", "lmcache", "on", ">kv-pw", *rule)
+        admin.close()
+        query = f"?ssl_ca_certs={tmp_path / 'ca.crt'}" if tls else ""
+        url = f"{'rediss' if tls else 'redis'}://lmcache:kv-pw@127.0.0.1:{server.port}/0{query}"
+        coder, _, _ = agents
+        engine = build_engine(url, "cachescout")
+        store_in_order(engine, agents)
+        assert in_cpu(engine, coder) == 0
+        out = torch.zeros_like(coder.kv)
+        mask = engine.retrieve(coder.tokens, kvcaches=out, request_configs=coder.configs)
+        assert int(mask.sum()) == len(coder.tokens) and torch.equal(out, coder.kv)
+    finally:
+        server.stop()
