@@ -90,11 +90,16 @@ class RedisServer:
                 self.proc.kill()
 
 
-def need_redis() -> None:
-    if shutil.which("redis-server") is None:
+def need_tool(name: str) -> None:
+    """Skip a test whose command-line tool is missing here; under CI (which installs it) fail."""
+    if shutil.which(name) is None:
         if os.environ.get("CI"):
-            pytest.fail("redis-server is missing: .ci/run installs it")
-        pytest.skip("redis-server is not installed")
+            pytest.fail(f"{name} is missing: .ci/run installs it")
+        pytest.skip(f"{name} is not installed")
+
+
+def need_redis() -> None:
+    need_tool("redis-server")
 
 
 @pytest.fixture

@@ -309,17 +309,15 @@ def test_redis_start_scripts_and_probes_work_on_redis_server(tmp_path, suffix, u
     """Each Redis pod's start script, run as written (paths moved under a temp dir), makes a config
     and an ACL file redis-server accepts; its probe command passes; the default user may only PING;
     the service user logs in with the Secret's password and can do its job (over TLS when on)."""
-    import shutil
     import socket
     import time
 
     import redis
 
-    from conftest import need_redis
+    from conftest import need_redis, need_tool
     need_redis()
     for tool in ("sha256sum", "redis-cli") + (("openssl",) if tls else ()):
-        if shutil.which(tool) is None:
-            pytest.skip(f"{tool} is not installed")
+        need_tool(tool)
     values = json.dumps({"tls": {"enabled": True, "secretName": "redis-tls"}}) if tls else None
     objs = [d for d in yaml.safe_load_all(render([], set_json=values).stdout) if d]
     script, conf = _start_script(objs, suffix)

@@ -333,19 +333,17 @@ def test_kv_tier_as_the_helm_chart_sets_it_up(tmp_path, agents, tls):
     inside, `?ssl_ca_certs=` with TLS). Evicted chunks come back from Redis bit-exact."""
     import pathlib
     import re
-    import shutil
     import socket
 
     import redis as redis_py
-    from conftest import RedisServer, need_redis
+    from conftest import RedisServer, need_redis, need_tool
 
     need_redis()
     helpers = (pathlib.Path(__file__).parent.parent / "deploy" / "helm" / "cachescout" / "templates" / "_helpers.tpl")
     rule = re.search(r'define "cachescout.kvAcl" -}}\n(.*)\n', helpers.read_text()).group(1).split()
     extra: list[str] = []
     if tls:
-        if shutil.which("openssl") is None:
-            pytest.skip("openssl is not installed")
+        need_tool("openssl")
         from test_shared_state_deploy import _certs
         _certs(str(tmp_path))
         with socket.socket() as s:

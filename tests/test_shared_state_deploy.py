@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import socket
 import subprocess
 import time
 
 import pytest
 import redis
-from conftest import RedisServer, need_redis
+from conftest import RedisServer, need_redis, need_tool
 
 from cachescout.connector.shared_state import SharedLearnedState, SharedStateSettings
 from cachescout.policy import CacheScoutPolicy, PolicyConfig
@@ -91,8 +90,7 @@ def _certs(d: str) -> None:
 
 def test_tls_with_a_private_ca(tmp_path):
     need_redis()
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
+    need_tool("openssl")
     _certs(str(tmp_path))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -124,8 +122,7 @@ def test_through_sentinel(tmp_path, monkeypatch, mode):
     need_redis()
     tls = mode == "tls"
     if tls:
-        if shutil.which("openssl") is None:
-            pytest.skip("openssl is not installed")
+        need_tool("openssl")
         _certs(str(tmp_path))
         files = ["--tls-cert-file", str(tmp_path / "server.crt"), "--tls-key-file", str(tmp_path / "server.key"),
                  "--tls-ca-cert-file", str(tmp_path / "ca.crt"), "--tls-auth-clients", "no"]
