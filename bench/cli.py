@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
                         "with --engine vllm: lru,cachescout)")
     b.add_argument("--engine", default="fast", choices=("fast", "vllm"),
                    help="fast: the pure-Python replay (default); vllm: replay on vLLM's own scheduler "
-                        "with CacheScoutConnector (GPU tier only) beside the fast engine's figures")
+                        "with CacheScoutConnector beside the fast engine's figures (GPU tier real; with "
+                        "--cpu-*/--redis-*, LMCache's tiers modelled by a connector beside it)")
     b.add_argument("--sessions", type=int, default=300, help="sessions per workload (default 300)")
     b.add_argument("--rate", type=float, default=2.0, help="session arrivals per second (default 2)")
     b.add_argument("--routing", default="learned", help="learned, uniform or random (default learned)")
@@ -165,16 +166,17 @@ def _bench(args: argparse.Namespace) -> int:
 
     families = [f for f in args.workloads.split(",") if f]
     vllm = args.engine == "vllm"
-    policies = [p for p in (args.policies or ("lru,cachescout" if vllm else
+    tiered = bool(args.cpu_blocks or args.redis_blocks or args.cpu_ratio or args.redis_ratio)
+    vllm_policies = ("lmcache-lru", "cachescout") if tiered else ("lru", "cachescout")
+    policies = [p for p in (args.policies or (",".join(vllm_policies) if vllm else
                                               "lru,cachescout,cachescout-hints,oracle")).split(",") if p]
     if vllm:
-        if any(p not in ("lru", "cachescout") for p in policies):
-            raise ValueError(f"--policies: --engine vllm runs lru and cachescout, got {','.join(policies)}")
+        if any(p not in vllm_policies for p in policies):
+            raise ValueError(f"--policies: --engine vllm{' with CPU/Redis tiers' if tiered else ''} runs "
+                             f"{' and '.join(vllm_policies)}, got {','.join(policies)}")
         if args.trace:
             raise ValueError("--engine vllm replays the built-in workloads (a trace has no token ids to "
                              "give vLLM's scheduler); drop --trace")
-        if args.cpu_blocks or args.redis_blocks or args.cpu_ratio or args.redis_ratio:
-            raise ValueError("--engine vllm replays the GPU tier only; drop --cpu-*/--redis-* options")
     for f in families:
         if f not in FAMILIES:
             raise ValueError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")

@@ -49,6 +49,16 @@ SCENARIOS = (
      "the step time without it (the cost model's GPU step plus vLLM's scheduler CPU time), taking the "
      "larger of the share of the `lru` run's steps and of this run's own.",
      dict(engine="vllm", policies=("lru", "cachescout"), sweeps=False, jobs=1), "--engine vllm --jobs 1"),
+    ("vllm-tiers", "On vLLM's own scheduler, with LMCache's tiers modelled",
+     "As above, with LMCache's CPU tier (half the GPU cache) and Redis tier (the GPU cache's size) modelled "
+     "by a benchmark connector beside ours in vLLM's `MultiConnector` (bench/tier_connector.py: it answers "
+     "the scheduler's external-hit lookups from LRU tiers written through as blocks are computed, with the "
+     "fast replay's rules; vLLM then takes those tokens as loaded). `all tiers` is the hit rate over GPU, "
+     "CPU and Redis. CacheScout's fast-replay counterpart is `cachescout-noprefetch`: inside vLLM CacheScout "
+     "prefetches into LMCache's CPU tier, not into the GPU. Connector times are from two workloads run at "
+     "once, so noisier than above.",
+     dict(engine="vllm", policies=("lmcache-lru", "cachescout"), cpu_ratio=0.5, redis_ratio=1.0, sweeps=False,
+          jobs=2), "--engine vllm --cpu-ratio 0.5 --redis-ratio 1 --jobs 2"),
 )
 
 INTRO = """# Results

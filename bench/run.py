@@ -184,6 +184,11 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     }
 
 
+# With lower tiers, CacheScout inside vLLM prefetches into LMCache's CPU tier, not into the GPU:
+# the fast replay's policy without GPU prefetch is its counterpart.
+FAST_TWIN = {"cachescout": "cachescout-noprefetch"}
+
+
 def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: BenchOptions,
              progress: Progress | None) -> dict:
     """The same sessions and cache size on vLLM's scheduler and on the fast engine."""
@@ -191,7 +196,10 @@ def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: Be
 
     policy_cfg = dataclasses.replace(opts.policy_config, block_size=cfg.block_size)
     fast = {}
-    for policy_name in opts.policies:
+    names = list(opts.policies)
+    if (cfg.cpu_blocks or cfg.redis_blocks) and "cachescout" in names:
+        names.append(FAST_TWIN["cachescout"])   # what CacheScout inside vLLM is compared with
+    for policy_name in names:
         tick = _ticker(progress, f"{name}: {policy_name} (fast)") if progress else None
         fast[policy_name] = Engine(cfg, make_policy(policy_name, policy_cfg)).run(sessions, tick).summary()
     tick = None
@@ -210,6 +218,8 @@ def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: Be
         "calls": sum(len(s.calls) for s in sessions),
         "anchor_share": None,
         "gpu_blocks": cfg.gpu_blocks,
+        "cpu_blocks": cfg.cpu_blocks,
+        "redis_blocks": cfg.redis_blocks,
         "block_size": cfg.block_size,
         "cost_profile": opts.cost_profile,
         "results": compare_engines(name, sessions, cfg, opts.policies, fast, tick),

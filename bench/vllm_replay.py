@@ -52,6 +52,7 @@ from .table import render  # noqa: E402
 from .workloads import Session  # noqa: E402
 
 POLICIES = ("lru", "cachescout")
+TIERED_POLICIES = ("lmcache-lru", "cachescout")   # with modelled CPU/Redis tiers
 
 
 def vllm_version() -> str:
@@ -76,18 +77,30 @@ def _tiny_model_dir() -> str:
 
 
 def build_scheduler(gpu_blocks: int, *, block_size: int = 16, max_num_seqs: int = 64,
-                    max_batched_tokens: int = 8192, connector: Mapping[str, Any] | None = None) -> Scheduler:
+                    max_batched_tokens: int = 8192, connector: Mapping[str, Any] | None = None,
+                    tiers: Mapping[str, Any] | None = None) -> Scheduler:
     """vLLM's scheduler over a prefix cache of `gpu_blocks` usable blocks. `connector`: None for
-    vLLM as shipped, else the `kv_connector_extra_config` of CacheScoutConnector."""
+    vLLM as shipped, else the `kv_connector_extra_config` of CacheScoutConnector. `tiers`: the
+    settings of the modelled LMCache tiers (bench/tier_connector.py), beside it in MultiConnector."""
     model = ModelConfig(model=_tiny_model_dir(), skip_tokenizer_init=True, dtype="float16", max_model_len=_MODEL_LEN)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched_tokens,
                             max_model_len=_MODEL_LEN, is_encoder_decoder=False, async_scheduling=False)
     cache = CacheConfig(block_size=block_size, enable_prefix_caching=True)
     cache.num_gpu_blocks = gpu_blocks + 1   # vLLM keeps one block aside (the null block)
-    kvt = None
+    entries = []
     if connector is not None:
-        kvt = KVTransferConfig(kv_connector="CacheScoutConnector", kv_connector_module_path="cachescout.connector",
-                               kv_role="kv_both", kv_connector_extra_config=dict(connector))
+        entries.append({"kv_connector": "CacheScoutConnector", "kv_connector_module_path": "cachescout.connector",
+                        "kv_role": "kv_both", "kv_connector_extra_config": dict(connector)})
+    if tiers is not None:
+        entries.append({"kv_connector": "ModelledTiersConnector",
+                        "kv_connector_module_path": "cachescout.bench.tier_connector",
+                        "kv_role": "kv_both", "kv_connector_extra_config": dict(tiers)})
+    kvt = None
+    if len(entries) == 1:
+        kvt = KVTransferConfig(**entries[0])
+    elif entries:
+        kvt = KVTransferConfig(kv_connector="MultiConnector", kv_role="kv_both",
+                               kv_connector_extra_config={"connectors": entries})
     cfg = VllmConfig(model_config=model, scheduler_config=sched, cache_config=cache, kv_transfer_config=kvt,
                      device_config=DeviceConfig("cpu"))
     spec = FullAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=16, dtype=torch.float16)
@@ -105,6 +118,8 @@ class _Call:
     request: Any = None
     generated: int = 0
     hit_tokens: int | None = None
+    cpu_hit_tokens: int = 0
+    redis_hit_tokens: int = 0
     first_token_at: float | None = None
     finished_at: float | None = None
 
@@ -124,6 +139,8 @@ class VllmReplayResult:
         done = [c for c in self.calls if c.finished_at is not None]
         prompt = sum(c.session.calls[c.index].prompt_len for c in done)
         hit = sum(c.hit_tokens or 0 for c in done)
+        cpu = sum(c.cpu_hit_tokens for c in done)
+        redis = sum(c.redis_hit_tokens for c in done)
         ttft = sorted(c.first_token_at - c.issued_at for c in done)
         return {
             "policy": self.policy,
@@ -131,6 +148,9 @@ class VllmReplayResult:
             "calls": len(done),
             "prompt_tokens": prompt,
             "gpu_token_hit_rate": hit / prompt if prompt else 0.0,
+            "cpu_token_hit_rate": cpu / prompt if prompt else 0.0,
+            "redis_token_hit_rate": redis / prompt if prompt else 0.0,
+            "token_hit_rate": (hit + cpu + redis) / prompt if prompt else 0.0,
             "ttft_mean_ms": 1e3 * sum(ttft) / len(ttft) if ttft else 0.0,
             "ttft_p99_ms": 1e3 * _pct(ttft, 0.99),
             "makespan_s": self.makespan_s,
@@ -146,17 +166,23 @@ class VllmReplay:
 
     def __init__(self, cfg: EngineConfig, policy: str = "lru", connector_config: Mapping[str, Any] | None = None
                  ) -> None:
-        if policy not in POLICIES:
-            raise ValueError(f"policy {policy!r} cannot run on --engine vllm; choose from {', '.join(POLICIES)}")
-        if cfg.cpu_blocks or cfg.redis_blocks:
-            raise ValueError("--engine vllm replays the GPU tier only; leave cpu_blocks and redis_blocks at 0")
+        tiered = bool(cfg.cpu_blocks or cfg.redis_blocks)
+        allowed = TIERED_POLICIES if tiered else POLICIES
+        if policy not in allowed:
+            raise ValueError(f"policy {policy!r} cannot run on --engine vllm{' with lower tiers' if tiered else ''}; "
+                             f"choose from {', '.join(allowed)}")
         self.cfg = cfg
         self.policy = policy
         self.now = 0.0
         extra = dict(connector_config or {}) if policy == "cachescout" else None
+        tiers = ({"cpu_blocks": cfg.cpu_blocks, "redis_blocks": cfg.redis_blocks, "cost": cfg.cost.name}
+                 if tiered else None)
         self.scheduler = build_scheduler(cfg.gpu_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
-                                         max_batched_tokens=cfg.max_batched_tokens, connector=extra)
-        self.connector = self.scheduler.connector
+                                         max_batched_tokens=cfg.max_batched_tokens, connector=extra, tiers=tiers)
+        found = self.scheduler.connector
+        parts = list(getattr(found, "_connectors", None) or ([found] if found is not None else []))
+        self.connector = next((c for c in parts if type(c).__name__ == "CacheScoutConnector"), None)
+        self.tiers = next((c for c in parts if type(c).__name__ == "ModelledTiersConnector"), None)
         if self.connector is not None:
             self.connector.set_clock(lambda: self.now)
         init_none_hash(sha256)
@@ -215,7 +241,9 @@ class VllmReplay:
                 else:
                     output = c.session.calls[c.index].output
                     sampled.append([output[c.generated] if c.generated < len(output) else 0])
-            self.now += cost.step_s(prefill_tokens, decode_seqs, context)
+            # Loads from the lower tiers go before the step's compute, as in the fast replay.
+            self.now += cost.step_s(prefill_tokens, decode_seqs, context) + (
+                self.tiers.take_step_load_s() if self.tiers is not None else 0.0)
             mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                     sampled_token_ids=sampled)
             t2 = time.perf_counter()
@@ -235,6 +263,9 @@ class VllmReplay:
                         continue
                     if o.prefill_stats is not None and c.hit_tokens is None:
                         c.hit_tokens = o.prefill_stats.num_local_cached_tokens
+                        if self.tiers is not None:
+                            tier = self.tiers.hits.pop(o.request_id, {})
+                            c.cpu_hit_tokens, c.redis_hit_tokens = tier.get("cpu", 0), tier.get("redis", 0)
                     if o.finish_reason is not None:
                         c.finished_at = self.now
                         if c.request.num_preemptions:
@@ -281,15 +312,22 @@ def compare_engines(name: str, sessions: Sequence[Session], cfg: EngineConfig, p
             raise RuntimeError(f"{name}/{policy}: vLLM's block pool did not end with every block free")
         s = result.summary()
         s["model_step_ms"] = 1e3 * s["makespan_s"] / s["steps"] if s["steps"] else 0.0
-        fast = fast_results[policy]
+        tiered = bool(cfg.cpu_blocks or cfg.redis_blocks)
+        twin = "cachescout-noprefetch" if tiered and policy == "cachescout" else policy
+        fast = fast_results.get(twin) or fast_results[policy]
+        s["fast_policy"] = twin if twin in fast_results else policy
         s["fast_gpu_token_hit_rate"] = fast["gpu_token_hit_rate"]
         s["engine_difference"] = s["gpu_token_hit_rate"] - fast["gpu_token_hit_rate"]
+        if tiered:
+            for k in ("cpu_token_hit_rate", "redis_token_hit_rate", "token_hit_rate"):
+                s[f"fast_{k}"] = fast[k]
+            s["engine_difference_all_tiers"] = s["token_hit_rate"] - fast["token_hit_rate"]
         if policy == "cachescout":
             st = result.connector_stats
             s["connector"] = {k: st.get(k, 0) for k in ("requests", "recognised", "predictions", "predictions_correct",
                                                           "steered_blocks", "steer_steps", "evictions_seen")}
         rows.append(s)
-    base = next((r for r in rows if r["policy"] == "lru"), None)
+    base = next((r for r in rows if r["policy"] != "cachescout"), None)   # vLLM without CacheScout
     for r in rows:
         if not r["connector_us_per_step"]:
             continue
@@ -304,14 +342,25 @@ def compare_engines(name: str, sessions: Sequence[Session], cfg: EngineConfig, p
 
 
 def format_engine_table(report: dict) -> str:
+    tiered = bool(report.get("cpu_blocks") or report.get("redis_blocks"))
+    tiers = (f"; LMCache's CPU ({report.get('cpu_blocks', 0)}) and Redis ({report.get('redis_blocks', 0)} blocks) "
+             "tiers modelled; fast-replay counterpart of cachescout: cachescout-noprefetch (inside vLLM "
+             "CacheScout prefetches into the CPU tier, not the GPU)" if tiered else " (GPU tier only)")
     head = (f"{report['workload']}: {report['calls']} calls on vLLM {report['vllm_version']}'s scheduler, "
-            f"GPU cache {report['gpu_blocks']} blocks x {report['block_size']} tokens (GPU tier only)")
-    cols = ("policy", "hit vLLM", "hit fast", "difference", "TTFT mean", "scheduler/step", "connector/step",
-            "of step time")
+            f"GPU cache {report['gpu_blocks']} blocks x {report['block_size']} tokens{tiers}")
+    cols = ("policy", "GPU hit vLLM", "GPU hit fast", "difference")
+    if tiered:
+        cols += ("all tiers vLLM", "all tiers fast", "difference")
+    cols += ("TTFT mean", "scheduler/step", "connector/step", "of step time")
     rows = [cols]
     for r in report["results"]:
-        rows.append((r["policy"], f"{r['gpu_token_hit_rate']:.4f}", f"{r['fast_gpu_token_hit_rate']:.4f}",
-                     f"{100 * r['engine_difference']:+.2f} pt", f"{r['ttft_mean_ms']:.0f} ms",
-                     f"{r['scheduler_us_per_step']:.0f} us", f"{r['connector_us_per_step']:.0f} us",
-                     f"{r['connector_step_overhead']:.2%}" if "connector_step_overhead" in r else "-"))
+        row = (r["policy"], f"{r['gpu_token_hit_rate']:.4f}", f"{r['fast_gpu_token_hit_rate']:.4f}",
+               f"{100 * r['engine_difference']:+.2f} pt")
+        if tiered:
+            row += (f"{r['token_hit_rate']:.4f}", f"{r['fast_token_hit_rate']:.4f}",
+                    f"{100 * r['engine_difference_all_tiers']:+.2f} pt")
+        row += (f"{r['ttft_mean_ms']:.0f} ms", f"{r['scheduler_us_per_step']:.0f} us",
+                f"{r['connector_us_per_step']:.0f} us",
+                f"{r['connector_step_overhead']:.2%}" if "connector_step_overhead" in r else "-")
+        rows.append(row)
     return render(head, rows)

@@ -30,7 +30,8 @@ def test_bench_writes_results_and_plots(tmp_path, capsys):
     (["--cpu-blocks", "-1"], "--cpu-blocks"),
     (["--trace", "/nonexistent/t.jsonl"], "No such file"),
     (["--engine", "vllm", "--policies", "lru,oracle"], "--engine vllm runs lru and cachescout"),
-    (["--engine", "vllm", "--cpu-blocks", "100"], "GPU tier only"),
+    (["--engine", "vllm", "--cpu-blocks", "100", "--policies", "lru"],
+     "--engine vllm with CPU/Redis tiers runs lmcache-lru and cachescout"),
 ])
 def test_bad_arguments_fail_with_one_line(args, needle, capsys):
     assert main(["bench", "--quiet", "--no-sweeps", *args]) in (1, 2)

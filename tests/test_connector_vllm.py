@@ -270,3 +270,26 @@ def test_replicas_share_what_they_learned_through_redis(short_workload, redis_se
 def test_bad_shared_state_settings_fail_when_vllm_builds_the_connector():
     with pytest.raises(ConfigError, match=r"shared_state\.flush_interval_s"):
         build_scheduler(64, connector={"shared_state": {"url": "redis://h:1", "flush_interval_s": 0}})
+
+
+def test_lower_tiers_modelled_beside_the_connector_agree_with_the_fast_replay(short_workload):
+    """`--engine vllm` with LMCache's CPU and Redis tiers modelled by a connector beside ours (in
+    vLLM's MultiConnector): vLLM's scheduler takes the tiers' tokens as external hits, and the hit
+    rate over all tiers agrees with the fast replay's on the same run."""
+    import dataclasses
+
+    sessions, cfg = short_workload
+    cfg = dataclasses.replace(cfg, cpu_blocks=cfg.gpu_blocks // 2, redis_blocks=cfg.gpu_blocks)
+    # Inside vLLM CacheScout prefetches into LMCache's CPU tier, not into the GPU: its fast-replay
+    # counterpart is the policy without GPU prefetch.
+    for policy, fast_policy in (("lmcache-lru", "lmcache-lru"), ("cachescout", "cachescout-noprefetch")):
+        fast = Engine(cfg, make_policy(fast_policy, PolicyConfig(), sessions)).run(sessions).summary()
+        replay = VllmReplay(cfg, policy)
+        assert (replay.connector is not None) == (policy == "cachescout") and replay.tiers is not None
+        got = replay.run(sessions).summary()
+        assert got["cpu_token_hit_rate"] + got["redis_token_hit_rate"] > 0.01, got
+        assert got["token_hit_rate"] > got["gpu_token_hit_rate"]
+        assert abs(got["token_hit_rate"] - fast["token_hit_rate"]) <= 0.02, (policy, got, fast)
+        assert replay.pool_all_free()
+    with pytest.raises(ValueError, match="with lower tiers"):
+        VllmReplay(cfg, "lru")

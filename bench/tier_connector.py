@@ -1,0 +1,132 @@
+"""LMCache's CPU and Redis tiers, modelled, as a vLLM KV connector for `cachescout bench --engine vllm`.
+
+Benchmark only: it answers vLLM's scheduler the way LMCache's connector would (how many tokens past
+the GPU prefix hit a lower tier can supply) from two modelled tiers, with the fast replay's rules
+(bench/replay.py): LRU tiers written through as blocks are computed, a run of blocks loaded only when
+loading it beats recomputing it (the cost model), a CPU read refreshes the block and a Redis hit is
+copied into the CPU tier. No KV moves; the replay adds the load time to the step and counts the hits.
+It runs beside CacheScoutConnector in vLLM's MultiConnector, as LMCache's connector does in a
+deployment, or alone (vLLM with LMCache's LRU tiers, `lmcache-lru`).
+
+    {"kv_connector": "ModelledTiersConnector", "kv_connector_module_path": "cachescout.bench.tier_connector",
+     "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_blocks": N, "redis_blocks": M, "cost": "h200-llama8b"}}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from .replay import CostProfile, TierStore
+
+
+class _NoMetadata(KVConnectorMetadata):
+    pass
+
+
+class ModelledTiersConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
+        unknown = sorted(set(extra) - {"cpu_blocks", "redis_blocks", "cost"})
+        if unknown:
+            raise ValueError(f"ModelledTiersConnector: unknown key(s) {unknown}; accepted: cost, cpu_blocks, "
+                             "redis_blocks")
+        self.block_size = vllm_config.cache_config.block_size
+        self.cost = CostProfile.named(extra.get("cost", CostProfile().name))
+        cpu, redis = int(extra.get("cpu_blocks", 0)), int(extra.get("redis_blocks", 0))
+        self.cpu = TierStore("cpu", cpu) if cpu > 0 else None
+        self.redis = TierStore("redis", redis) if redis > 0 else None
+        self._planned: dict[str, tuple[int, list[tuple[str, int]]]] = {}   # request -> (first block, runs)
+        self._stored: dict[str, int] = {}           # request -> blocks written through so far
+        self.hits: dict[str, dict[str, int]] = {}   # request -> tier -> tokens loaded (its first admission)
+        self.step_load_s = 0.0                      # load time of the step being scheduled
+
+    def _where(self, key: Any) -> str | None:
+        if self.cpu is not None and key in self.cpu:
+            return "cpu"
+        if self.redis is not None and key in self.redis:
+            return "redis"
+        return None
+
+    # -- scheduler side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        bs = self.block_size
+        hashes = request.block_hashes
+        # vLLM always computes the prompt's last token: a fully cached prompt still misses its last block.
+        limit = min(len(hashes), (request.num_tokens - 1) // bs)
+        start = end = num_computed_tokens // bs
+        runs: list[tuple[str, int]] = []
+        while end < limit:
+            tier = self._where(hashes[end])
+            if tier is None:
+                break
+            run = end
+            while run < limit and self._where(hashes[run]) == tier:
+                run += 1
+            if not self.cost.worth_loading(tier, run - end, bs):
+                break
+            runs.append((tier, run - end))
+            end = run
+        self._planned[request.request_id] = (start, runs)
+        return (end - start) * bs, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        start, runs = self._planned.pop(rid, (0, []))
+        hashes = request.block_hashes
+        loaded = num_external_tokens // self.block_size
+        if loaded:
+            bs = self.block_size
+            for tier, n in runs:
+                self.step_load_s += self.cost.load_s(tier, n, bs)
+            if rid not in self.hits:
+                tiers = self.hits[rid] = {}
+                for tier, n in runs:
+                    tiers[tier] = tiers.get(tier, 0) + n * bs
+            if self.cpu is not None:   # a read refreshes a CPU block; a Redis hit is copied into CPU
+                self.cpu.put(hashes[start:start + loaded])
+        self._write_through(rid, hashes, start + loaded)
+
+    def _write_through(self, rid: str, hashes: Any, computed_from: int) -> None:
+        """Store the blocks this request computes (from `computed_from` on), once each."""
+        first = max(self._stored.get(rid, 0), computed_from)
+        keys = hashes[first:]
+        if keys:
+            if self.cpu is not None:
+                self.cpu.put(keys)
+            if self.redis is not None:
+                self.redis.put(keys)
+        self._stored[rid] = max(first, len(hashes))
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        return _NoMetadata()
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # The blocks its output filled are computed too (the fast replay stores them as they fill).
+        self._write_through(request.request_id, request.block_hashes, 0)
+        self._stored.pop(request.request_id, None)
+        self._planned.pop(request.request_id, None)
+        return False, None
+
+    def take_step_load_s(self) -> float:
+        s, self.step_load_s = self.step_load_s, 0.0
+        return s
+
+    # -- worker side: nothing moves in a replay -----------------------------------------------
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        pass
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_for_save(self) -> None:
+        pass
