@@ -67,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens (default 256)")
     c.add_argument("--lmcache-file", default="/etc/lmcache/lmcache.yaml",
                    help="where the LMCache YAML will live (for the printed command; default /etc/lmcache/lmcache.yaml)")
+    c.add_argument("--state-url", default=None,
+                   help="share learned state across replicas through this Redis (redis:// or rediss://); its "
+                        "password is read from $CACHESCOUT_STATE_PASSWORD (docs/shared_state.md)")
+    c.add_argument("--deployment", default=None, help="with --state-url: the deployment name replicas share under")
     c.add_argument("--settings", default="{}",
                    help="CacheScout settings as a JSON object (kv_connector_extra_config), e.g. "
                         "'{\"steer_ahead_blocks\": 32, \"policy\": {\"max_agents\": 200}}'")
@@ -140,6 +144,13 @@ def _config(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as exc:
         raise ValueError(f"--settings is not JSON: {exc}") from None
     tiers = args.cpu_gib > 0 or bool(args.redis_url)
+    if args.state_url or args.deployment:
+        if not args.state_url:
+            raise ValueError("--deployment goes with --state-url")
+        if not isinstance(extra, dict) or "shared_state" in extra:
+            raise ValueError("give the shared state either in --settings or with --state-url, not both")
+        extra["shared_state"] = {"url": args.state_url, "password_env": "CACHESCOUT_STATE_PASSWORD",
+                                 **({"deployment": args.deployment} if args.deployment else {})}
     try:
         kvt = kv_transfer_config(extra, lmcache=tiers)
         yaml = (lmcache_yaml(cpu_gib=args.cpu_gib, redis_url=args.redis_url, chunk_size=args.chunk_size)
@@ -147,6 +158,10 @@ def _config(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         raise ValueError(str(exc)) from None
     env = f"LMCACHE_CONFIG_FILE={shlex.quote(args.lmcache_file)} PYTHONHASHSEED=0 " if tiers else ""
+    if args.state_url:
+        env = env if tiers else "PYTHONHASHSEED=0 "
+        print("# Every replica needs the same PYTHONHASHSEED and the state store's password in "
+              "$CACHESCOUT_STATE_PASSWORD.")
     print("# Start vLLM with CacheScout" + (" and LMCache's CPU/Redis tiers" if tiers else "") + ":")
     print(f"{env}vllm serve {shlex.quote(args.model)} --kv-transfer-config {shlex.quote(json.dumps(kvt))}")
     print("\n# kv_transfer_config, readable:")

@@ -111,3 +111,16 @@ def test_config_with_shared_state_does_not_need_the_pods_secrets(capsys, monkeyp
     assert '"password_env": "CS_NOT_HERE"' in out
     assert main(["config", "--settings", '{"shared_state": {"url": "http://state"}}']) == 2
     assert "shared_state.url" in capsys.readouterr().err
+
+
+def test_config_with_a_state_store(capsys):
+    assert main(["config", "--state-url", "rediss://state:6379/0", "--deployment", "prod"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("PYTHONHASHSEED=0 vllm serve"))
+    kvt = json.loads(line.split("--kv-transfer-config ", 1)[1].strip("'"))
+    assert kvt["kv_connector_extra_config"]["shared_state"] == {
+        "url": "rediss://state:6379/0", "password_env": "CACHESCOUT_STATE_PASSWORD", "deployment": "prod"}
+    assert main(["config", "--deployment", "prod"]) == 2
+    assert "--deployment goes with --state-url" in capsys.readouterr().err
+    assert main(["config", "--state-url", "http://state"]) == 2
+    assert "shared_state.url" in capsys.readouterr().err
