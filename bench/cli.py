@@ -189,9 +189,6 @@ def _bench(args: argparse.Namespace) -> int:
         if any(p not in vllm_policies for p in policies):
             raise ValueError(f"--policies: --engine vllm{' with CPU/Redis tiers' if tiered else ''} runs "
                              f"{' and '.join(vllm_policies)}, got {','.join(policies)}")
-        if args.trace:
-            raise ValueError("--engine vllm replays the built-in workloads (a trace has no token ids to "
-                             "give vLLM's scheduler); drop --trace")
     for f in families:
         if f not in FAMILIES:
             raise ValueError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")

@@ -184,9 +184,16 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     }
 
 
-# With lower tiers, CacheScout inside vLLM prefetches into LMCache's CPU tier, not into the GPU:
-# the fast replay's policy without GPU prefetch is its counterpart.
-FAST_TWIN = {"cachescout": "cachescout-noprefetch"}
+def fast_twin(policy: str, sessions: Sequence[Session], tiered: bool) -> str:
+    """The fast-replay policy that sees what `policy` sees inside vLLM. A trace gives vLLM tokens made
+    from its block ids, which cannot link one workflow's calls to different agents (the fast replay
+    links them through the trace's content sketches): `cachescout-hashonly`. With lower tiers,
+    CacheScout prefetches into LMCache's CPU tier, not into the GPU: `cachescout-noprefetch`."""
+    if policy != "cachescout":
+        return policy
+    if sessions and sessions[0].calls[0].prompt_tokens() is None:
+        return "cachescout-hashonly"
+    return "cachescout-noprefetch" if tiered else policy
 
 
 def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: BenchOptions,
@@ -196,9 +203,8 @@ def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: Be
 
     policy_cfg = dataclasses.replace(opts.policy_config, block_size=cfg.block_size)
     fast = {}
-    names = list(opts.policies)
-    if (cfg.cpu_blocks or cfg.redis_blocks) and "cachescout" in names:
-        names.append(FAST_TWIN["cachescout"])   # what CacheScout inside vLLM is compared with
+    tiered = bool(cfg.cpu_blocks or cfg.redis_blocks)
+    names = list(dict.fromkeys([*opts.policies, *(fast_twin(p, sessions, tiered) for p in opts.policies)]))
     for policy_name in names:
         tick = _ticker(progress, f"{name}: {policy_name} (fast)") if progress else None
         fast[policy_name] = Engine(cfg, make_policy(policy_name, policy_cfg)).run(sessions, tick).summary()
@@ -222,7 +228,8 @@ def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: Be
         "redis_blocks": cfg.redis_blocks,
         "block_size": cfg.block_size,
         "cost_profile": opts.cost_profile,
-        "results": compare_engines(name, sessions, cfg, opts.policies, fast, tick),
+        "results": compare_engines(name, sessions, cfg, opts.policies, fast, tick,
+                                   twins={p: fast_twin(p, sessions, tiered) for p in opts.policies}),
     }
 
 

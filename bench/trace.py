@@ -85,6 +85,44 @@ class TraceCall:
             keys.append(h)
         return keys
 
+    def synthetic_tokens(self) -> tuple[list[int], list[int]]:
+        """Prompt and output token ids standing in for the trace's content, for vLLM's scheduler
+        (which hashes tokens, not ids): a block's tokens are a function of its id alone, so equal ids
+        give equal blocks and different ids different ones, and vLLM's chained hashes match exactly
+        where the trace's ids do (its block size must be the trace's). Content the trace does not
+        name (an output without `output_hash_ids`) is unique to this record."""
+        bs = self.block_size
+        if bs < 4:
+            raise TraceError(f"line {self.line}: block_size {bs} is too small to stand in tokens for ids (>= 4)")
+
+        def block(ident: int, tag: int = 0) -> list[int]:
+            # Four tokens spell the id (so different ids never give equal blocks); the rest are
+            # pseudo-random from it, so token-level content matching (session linking) sees text-like
+            # variety rather than a filler. The tag keeps a record's own content apart from ids.
+            v = ident % (1 << 64)
+            out = [((v >> s) & 0xFFFF) + 1 for s in (0, 16, 32, 48)]
+            x = v ^ (0x9E3779B97F4A7C15 * (tag + 1)) % (1 << 64)
+            for _ in range(bs - 4):
+                x = (x * 6364136223846793005 + 1442695040888963407) % (1 << 64)
+                out.append((x >> 33) % 65536 + 1)
+            return out
+
+        def fill(ids: tuple[int, ...], n: int, own: int) -> list[int]:
+            out: list[int] = []
+            for k in range((n + bs - 1) // bs):
+                out += block(ids[k]) if k < len(ids) else block(hash((own, self.line, k)), tag=1)
+            return out[:n]
+
+        # Prompt and output are one stream of blocks: the prompt's full blocks, then the blocks its
+        # output completes (`output_hash_ids`; the first holds the prompt's partial tail), so a later
+        # call that repeats this one's prompt and output, ids and all, repeats its tokens too.
+        full = self.input_length // bs
+        ids = self.hash_ids[:full] + self.output_hash_ids
+        if not self.output_hash_ids:
+            ids = self.hash_ids[:full + 1]
+        stream = fill(ids, self.input_length + self.output_length, _UNKNOWN_OUTPUT)
+        return stream[:self.input_length], stream[self.input_length:]
+
     def output_key(self, k: int, parent: int) -> int:
         """Key of the k-th block the output completes."""
         if k < len(self.output_hash_ids):

@@ -118,6 +118,7 @@ class _Call:
     request: Any = None
     generated: int = 0
     hit_tokens: int | None = None
+    output: list[int] | None = None   # a trace record's stand-in output tokens
     cpu_hit_tokens: int = 0
     redis_hit_tokens: int = 0
     first_token_at: float | None = None
@@ -213,7 +214,10 @@ class VllmReplay:
                 _, _, c = heapq.heappop(pending)
                 call = c.session.calls[c.index]
                 rid = f"{c.session.session_id}/{c.index}"
-                c.request = VllmRequest(rid, list(call.prompt_tokens()),
+                prompt = call.prompt_tokens()
+                if prompt is None:   # a trace record: ids stand in for tokens
+                    prompt, c.output = call.synthetic_tokens()
+                c.request = VllmRequest(rid, list(prompt),
                                         SamplingParams(max_tokens=call.output_len, ignore_eos=True), None,
                                         arrival_time=self.now, block_hasher=self._hasher)
                 live[rid] = c
@@ -239,7 +243,7 @@ class VllmReplay:
                 if req.is_prefill_chunk:
                     sampled.append([])   # a prefill chunk samples nothing
                 else:
-                    output = c.session.calls[c.index].output
+                    output = c.output if c.output is not None else c.session.calls[c.index].output
                     sampled.append([output[c.generated] if c.generated < len(output) else 0])
             # Loads from the lower tiers go before the step's compute, as in the fast replay.
             self.now += cost.step_s(prefill_tokens, decode_seqs, context) + (
@@ -295,11 +299,12 @@ class VllmReplay:
 
 
 def compare_engines(name: str, sessions: Sequence[Session], cfg: EngineConfig, policies: Sequence[str],
-                    fast_results: Mapping[str, dict], progress: Callable[[str, int, int], None] | None = None
-                    ) -> list[dict]:
+                    fast_results: Mapping[str, dict], progress: Callable[[str, int, int], None] | None = None,
+                    twins: Mapping[str, str] | None = None) -> list[dict]:
     """Each policy on vLLM's scheduler, beside the fast engine's figures for the same run.
 
-    `fast_results`: policy -> the fast engine's summary on the same sessions and cache size. The
+    `fast_results`: policy -> the fast engine's summary on the same sessions and cache size; `twins`:
+    policy -> the fast policy it is compared with (default: itself). The
     connector's cost is reported per scheduler step and as a share of the step time without it:
     the modelled GPU step plus the scheduler's own CPU time, from the `lru` run when there is one
     (else from the same run less the connector)."""
@@ -313,9 +318,9 @@ def compare_engines(name: str, sessions: Sequence[Session], cfg: EngineConfig, p
         s = result.summary()
         s["model_step_ms"] = 1e3 * s["makespan_s"] / s["steps"] if s["steps"] else 0.0
         tiered = bool(cfg.cpu_blocks or cfg.redis_blocks)
-        twin = "cachescout-noprefetch" if tiered and policy == "cachescout" else policy
-        fast = fast_results.get(twin) or fast_results[policy]
-        s["fast_policy"] = twin if twin in fast_results else policy
+        twin = (twins or {}).get(policy, policy)
+        fast = fast_results[twin]
+        s["fast_policy"] = twin
         s["fast_gpu_token_hit_rate"] = fast["gpu_token_hit_rate"]
         s["engine_difference"] = s["gpu_token_hit_rate"] - fast["gpu_token_hit_rate"]
         if tiered:
@@ -344,8 +349,11 @@ def compare_engines(name: str, sessions: Sequence[Session], cfg: EngineConfig, p
 def format_engine_table(report: dict) -> str:
     tiered = bool(report.get("cpu_blocks") or report.get("redis_blocks"))
     tiers = (f"; LMCache's CPU ({report.get('cpu_blocks', 0)}) and Redis ({report.get('redis_blocks', 0)} blocks) "
-             "tiers modelled; fast-replay counterpart of cachescout: cachescout-noprefetch (inside vLLM "
-             "CacheScout prefetches into the CPU tier, not the GPU)" if tiered else " (GPU tier only)")
+             "tiers modelled" if tiered else " (GPU tier only)")
+    twins = {r["policy"]: r.get("fast_policy", r["policy"]) for r in report["results"]}
+    twins = ", ".join(f"{p} with {t}" for p, t in twins.items() if t != p)
+    if twins:
+        tiers += f"; fast-replay counterparts (what the policy sees inside vLLM): {twins}"
     head = (f"{report['workload']}: {report['calls']} calls on vLLM {report['vllm_version']}'s scheduler, "
             f"GPU cache {report['gpu_blocks']} blocks x {report['block_size']} tokens{tiers}")
     cols = ("policy", "GPU hit vLLM", "GPU hit fast", "difference")

@@ -293,3 +293,40 @@ def test_lower_tiers_modelled_beside_the_connector_agree_with_the_fast_replay(sh
         assert replay.pool_all_free()
     with pytest.raises(ValueError, match="with lower tiers"):
         VllmReplay(cfg, "lru")
+
+
+def test_a_trace_replays_on_vllms_scheduler_with_tokens_made_from_its_ids(short_workload, tmp_path):
+    """`--engine vllm --trace`: vLLM hashes tokens, a trace names blocks by id; tokens made from the
+    ids give vLLM's scheduler the trace's block equalities. LRU agrees with the fast replay, and
+    CacheScout with its hash-only twin (ids cannot link one workflow's calls across agents)."""
+    from cachescout.bench.trace import export_trace, read_trace
+
+    sessions, cfg = short_workload
+    unbounded = Engine(EngineConfig(gpu_blocks=1 << 30), make_policy("lru", PolicyConfig())).run(sessions)
+    export_trace(unbounded, tmp_path / "t.jsonl", cfg.block_size)
+    traced, report = read_trace(tmp_path / "t.jsonl", block_size=cfg.block_size)
+    assert report.skipped == 0 and traced[0].calls[0].prompt_tokens() is None
+    for policy, twin in (("lru", "lru"), ("cachescout", "cachescout-hashonly")):
+        fast = Engine(cfg, make_policy(twin, PolicyConfig(), traced)).run(traced).summary()
+        replay = VllmReplay(cfg, policy)
+        got = replay.run(traced).summary()
+        assert got["calls"] == fast["calls"] == sum(len(s.calls) for s in sessions)
+        assert abs(got["gpu_token_hit_rate"] - fast["gpu_token_hit_rate"]) <= 0.02, (policy, got, fast)
+        assert replay.pool_all_free()
+
+
+def test_tokens_made_from_trace_ids_keep_the_traces_equalities():
+    from cachescout.bench.trace import TraceCall
+
+    def call(ids, n, out_ids=(), out=0, line=1):
+        return TraceCall(None, tuple(ids), n, out, 0.0, 16, tuple(out_ids), line=line)
+
+    a_prompt, a_out = call([1, 2, 3], 40, out_ids=[7, 8], out=20).synthetic_tokens()
+    assert len(a_prompt) == 40 and len(a_out) == 20
+    # A later call repeating that prompt and output (ids and all) starts with the same tokens.
+    b_prompt, _ = call([1, 2, 7, 8, 9], 70, line=2).synthetic_tokens()
+    assert b_prompt[:60] == (a_prompt + a_out)[:60]
+    # Equal ids, equal blocks; other ids, other blocks; unnamed content is this record's own.
+    c_prompt, c_out = call([1, 5], 32, out=16, line=3).synthetic_tokens()
+    assert c_prompt[:16] == a_prompt[:16] and c_prompt[16:32] != a_prompt[16:32]
+    assert c_out != call([1, 5], 32, out=16, line=4).synthetic_tokens()[1]
