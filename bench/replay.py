@@ -103,6 +103,28 @@ class TierStore:
         return dropped
 
 
+def plan_tier_loads(keys: Sequence[int], start: int, limit: int, where: Callable[[int], str | None],
+                    cost: CostProfile, block_size: int) -> tuple[int, list[tuple[str, int]]]:
+    """Past the GPU hit (`start`), the lower tiers: runs of blocks from one tier, each loaded only
+    when that beats recomputing it; the first run that does not stops the load. Returns the end of
+    what is loaded and the runs as (tier, blocks). Shared by this engine and the modelled tiers on
+    vLLM's scheduler (tier_connector.py), so both load by the same rule."""
+    runs: list[tuple[str, int]] = []
+    end = start
+    while end < limit:
+        tier = where(keys[end])
+        if tier not in ("cpu", "redis"):
+            break
+        run = end
+        while run < limit and where(keys[run]) == tier:
+            run += 1
+        if not cost.worth_loading(tier, run - end, block_size):
+            break
+        runs.append((tier, run - end))
+        end = run
+    return end, runs
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class EngineConfig:
     gpu_blocks: int
@@ -397,23 +419,10 @@ class Engine:
         limit = (req.prompt_len - 1) // bs if self.cfg.recompute_last_token else req.prompt_len // bs
         while hit < limit and hashes[hit] in ref:
             hit += 1
-        # Past the GPU hit, the lower tiers: runs of blocks from one tier, each loaded only when
-        # that beats recomputing it; the first run that does not stops the load.
         loads: list[tuple[str, int]] = []
         end = hit
         if self.cpu is not None or self.redis is not None:
-            cost = self.cfg.cost
-            while end < limit:
-                tier = self.where(hashes[end])
-                if tier not in ("cpu", "redis"):
-                    break
-                run = end
-                while run < limit and self.where(hashes[run]) == tier:
-                    run += 1
-                if not cost.worth_loading(tier, run - end, bs):
-                    break
-                loads.append((tier, run - end))
-                end = run
+            end, loads = plan_tier_loads(hashes, hit, limit, self.where, self.cfg.cost, bs)
         held = hashes[:hit]
         reusing = sum(1 for k in held if ref[k] == 0)
         new_keys = [h for h in hashes[hit:] if h not in ref]

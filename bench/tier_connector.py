@@ -22,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from .replay import CostProfile, TierStore
+from .replay import CostProfile, TierStore, plan_tier_loads
 
 
 class _NoMetadata(KVConnectorMetadata):
@@ -60,19 +60,8 @@ class ModelledTiersConnector(KVConnectorBase_V1):
         hashes = request.block_hashes
         # vLLM always computes the prompt's last token: a fully cached prompt still misses its last block.
         limit = min(len(hashes), (request.num_tokens - 1) // bs)
-        start = end = num_computed_tokens // bs
-        runs: list[tuple[str, int]] = []
-        while end < limit:
-            tier = self._where(hashes[end])
-            if tier is None:
-                break
-            run = end
-            while run < limit and self._where(hashes[run]) == tier:
-                run += 1
-            if not self.cost.worth_loading(tier, run - end, bs):
-                break
-            runs.append((tier, run - end))
-            end = run
+        start = num_computed_tokens // bs
+        end, runs = plan_tier_loads(hashes, start, limit, self._where, self.cost, bs)
         self._planned[request.request_id] = (start, runs)
         return (end - start) * bs, False
 

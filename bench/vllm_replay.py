@@ -47,8 +47,11 @@ from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request as VllmRequest  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from cachescout.connector.vllm_connector import CacheScoutConnector  # noqa: E402
+
 from .replay import EngineConfig, _pct  # noqa: E402
 from .table import render  # noqa: E402
+from .tier_connector import ModelledTiersConnector  # noqa: E402
 from .workloads import Session  # noqa: E402
 
 POLICIES = ("lru", "cachescout")
@@ -182,8 +185,8 @@ class VllmReplay:
                                          max_batched_tokens=cfg.max_batched_tokens, connector=extra, tiers=tiers)
         found = self.scheduler.connector
         parts = list(getattr(found, "_connectors", None) or ([found] if found is not None else []))
-        self.connector = next((c for c in parts if type(c).__name__ == "CacheScoutConnector"), None)
-        self.tiers = next((c for c in parts if type(c).__name__ == "ModelledTiersConnector"), None)
+        self.connector = next((c for c in parts if isinstance(c, CacheScoutConnector)), None)
+        self.tiers = next((c for c in parts if isinstance(c, ModelledTiersConnector)), None)
         if self.connector is not None:
             self.connector.set_clock(lambda: self.now)
         init_none_hash(sha256)

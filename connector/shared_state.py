@@ -37,14 +37,20 @@ from urllib.parse import urlsplit
 
 from cachescout.policy import CacheScoutPolicy, ConfigError, StateDecodeError, TransitionLearner, TransitionSnapshot
 from cachescout.policy.config import reject_unknown
+from cachescout.policy.core import SHARED_NAME_PREFIX
 from cachescout.policy.state import MAX_BLOB_BYTES
 
 from .state_store import NAME_RULE, StateKeys, StateStore, StoreView
 
 log = logging.getLogger("cachescout.shared_state")
 
-SHARED_PREFIX = "anchor-"  # agents' shared names (CacheScoutPolicy.shared_names)
 _DEPARTED_FLOOR = 1e-3     # a departed blob weighing less than this is dropped (about 10 half-lives)
+
+
+def departed_weight(age_ms: float, half_life_s: float) -> float:
+    """Weight of a departed replica's counts `age_ms` after its last flush; 0 once negligible."""
+    w = 0.5 ** (max(0.0, age_ms) / (half_life_s * 1000))
+    return w if w >= _DEPARTED_FLOOR else 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -572,8 +578,8 @@ class SharedLearnedState:
         local = {shared: name for name, shared in self._names.items()}   # shared name -> this replica's
         for name, peer in peers.items():
             at = departed.get(name)
-            w = 1.0 if at is None else 0.5 ** (max(0, view.now_ms - at) / half_ms)
-            if w >= _DEPARTED_FLOOR:
+            w = 1.0 if at is None else departed_weight(view.now_ms - at, s.departed_half_life_s)
+            if w > 0:
                 _renamed(peer.rows, local, w, drop_unknown=True, into=total)
         merged = TransitionLearner(self.half_life, self.confidence_count_scale)
         merged.absorb(total)
@@ -595,11 +601,16 @@ class SharedLearnedState:
                     why[:200])
 
     # -- for metrics and `cachescout state` -------------------------------------------------------
+    @property
+    def degraded(self) -> bool:
+        """Redis unreachable, or sharing stopped (misconfiguration, supersession)."""
+        return self.problem is not None or self._failing_since is not None
+
     def status(self) -> dict[str, Any]:
         now = self.clock()
         return {
             "replica": self.replica, "target": self.settings.target(), "key_prefix": self.keys.prefix,
-            "degraded": int(self.problem is not None or self._failing_since is not None),
+            "degraded": int(self.degraded),
             "problem": self.problem, "breaker_open": int(self.breaker.is_open),
             "last_ok_age_s": None if self.last_ok is None else round(now - self.last_ok, 3),
             "peers": self.peer_count, "departed": self.departed_count, "generation": self._gen,
@@ -621,12 +632,12 @@ def _renamed(rows: Mapping[str, Mapping[str, float]], names: Mapping[str, str], 
     out: Rows = {} if into is None else into
     for src, dsts in rows.items():
         s = names.get(src, src)
-        if drop_unknown and s.startswith(SHARED_PREFIX) and src not in names:
+        if drop_unknown and s.startswith(SHARED_NAME_PREFIX) and src not in names:
             continue
         row = out.setdefault(s, {})
         for dst, c in dsts.items():
             d = names.get(dst, dst)
-            if drop_unknown and d.startswith(SHARED_PREFIX) and dst not in names:
+            if drop_unknown and d.startswith(SHARED_NAME_PREFIX) and dst not in names:
                 continue
             row[d] = row.get(d, 0.0) + c * weight
     return out

@@ -10,7 +10,7 @@ from typing import Any
 
 from cachescout.policy import StateDecodeError, TransitionLearner, TransitionSnapshot
 
-from .shared_state import SharedStateSettings, connect
+from .shared_state import SharedStateSettings, connect, departed_weight
 from .state_store import StateKeys, StateStore
 
 
@@ -30,7 +30,8 @@ def collect(store: StateStore, departed_half_life_s: float) -> dict[str, Any]:
         for b in blobs:
             row: dict[str, Any] = {"kind": kind, "name": b.name, "generation": b.gen, "seq": b.seq,
                                    "flushed_ms_ago": max(0, view.now_ms - b.at_ms), "bytes": b.size}
-            weight = 1.0 if kind == "replica" else 0.5 ** (row["flushed_ms_ago"] / (departed_half_life_s * 1000))
+            # The weight every replica gives these counts (departed ones fade, then drop out).
+            weight = 1.0 if kind == "replica" else departed_weight(row["flushed_ms_ago"], departed_half_life_s)
             row["weight"] = round(weight, 4)
             if b.blob is None:
                 rejected.append({**row, "why": f"over max_blob_bytes ({store.max_blob_bytes})"})
@@ -49,7 +50,8 @@ def collect(store: StateStore, departed_half_life_s: float) -> dict[str, Any]:
                 if snap.half_life != half_life:
                     rejected.append({**row, "why": f"half_life {snap.half_life} != {half_life}"})
                     continue
-                merged.absorb({s: {d: c * weight for d, c in r.items()} for s, r in rows.items()})
+                if weight > 0:
+                    merged.absorb({s: {d: c * weight for d, c in r.items()} for s, r in rows.items()})
             row["transitions"] = round(sum(sum(r.values()) for r in rows.values()), 3)
             row["agents"] = len(set(rows) | {d for r in rows.values() for d in r})
             row["rows"] = rows

@@ -309,11 +309,10 @@ class CacheScoutConnector(KVConnectorBase_V1):
             now["state_merges"] = st["merges"]
             now["state_errors"] = st["errors"] + st["auth_errors"]
             now["state_rejected_blobs"] = st["rejected_blobs"]
-        delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
-        self._reported = now
+        delta = self._since_reported(now)
         if self._shared is not None:
             # A level, not a count: sent while degraded and once when it clears.
-            degraded = self._shared.status()["degraded"]
+            degraded = int(self._shared.degraded)
             if degraded or self._reported_degraded:
                 delta["state_degraded"] = degraded
             self._reported_degraded = degraded
@@ -330,10 +329,14 @@ class CacheScoutConnector(KVConnectorBase_V1):
         self._reported_at = t
         sources = {"cpu": self._lmcache.cpu_tier_stats(),
                    "prefetch": self._prefetcher.stats if self._prefetcher is not None else {}}
-        now = {name: sources[src].get(key, 0) for name, (src, key) in _WORKER_COUNTERS.items()}
+        delta = self._since_reported({name: sources[src].get(key, 0) for name, (src, key) in _WORKER_COUNTERS.items()})
+        return CacheScoutStats(data=delta) if delta else None
+
+    def _since_reported(self, now: dict[str, Any]) -> dict[str, Any]:
+        """The counters that moved since the last report, as differences; `now` becomes the last."""
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items() if v != self._reported.get(k, 0)}
         self._reported = now
-        return CacheScoutStats(data=delta) if delta else None
+        return delta
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

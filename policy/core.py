@@ -28,6 +28,7 @@ from .transitions import END, START, TransitionLearner
 
 HINT_KEYS = {"agent": "cachescout.agent", "session": "cachescout.session_id", "next_agent": "cachescout.next_agent"}
 _MAX_HINT_LEN = 256
+SHARED_NAME_PREFIX = "anchor-"   # agents' names in the shared state (`shared_names`)
 _EMA = 0.02
 
 
@@ -390,7 +391,7 @@ class CacheScoutPolicy:
         for rec in self.fingerprints.agents():
             if rec.agent_id in self._aliases or not rec.private_key:
                 continue
-            name = f"anchor-{rec.private_key & (2**64 - 1):016x}"
+            name = f"{SHARED_NAME_PREFIX}{rec.private_key & (2**64 - 1):016x}"
             out[rec.agent_id] = name
             owners[name] = owners.get(name, 0) + 1
         return {local: name for local, name in out.items() if owners[name] == 1}
