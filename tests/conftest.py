@@ -28,11 +28,7 @@ class RedisServer:
 
     def __init__(self, *, aof: bool = False, workdir: str | None = None, extra: list[str] | None = None,
                  port: int | None = None, scheme: str = "redis") -> None:
-        if port is None:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-        self.port = port
+        self.port = port if port is not None else free_port()
         self.url = f"{scheme}://127.0.0.1:{self.port}"
         self.aof = aof
         self.workdir = workdir
@@ -88,6 +84,42 @@ class RedisServer:
                 self.proc.wait(5)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_certs(d: str) -> None:
+    """A private CA (ca.crt) and a certificate for 127.0.0.1 signed by it (server.crt, server.key) in `d`."""
+    need_tool("openssl")
+
+    def run(*args: str) -> None:
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
+        "-subj", "/CN=cachescout-test-ca")
+    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
+        "-subj", "/CN=127.0.0.1")
+    with open(os.path.join(d, "san.ext"), "w") as f:
+        f.write("subjectAltName=IP:127.0.0.1\n")
+    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+        "-out", "server.crt", "-days", "2", "-extfile", "san.ext")
+
+
+def tls_files(d: str) -> list[str]:
+    """redis-server options serving TLS with the certificates of `make_certs(d)`."""
+    return ["--tls-cert-file", os.path.join(d, "server.crt"), "--tls-key-file", os.path.join(d, "server.key"),
+            "--tls-ca-cert-file", os.path.join(d, "ca.crt"), "--tls-auth-clients", "no"]
+
+
+def tls_redis(d: str) -> RedisServer:
+    """A redis-server speaking only TLS (rediss://), its certificates made in `d`."""
+    need_redis()
+    make_certs(d)
+    port = free_port()
+    return RedisServer(port=port, scheme="rediss", extra=["--tls-port", str(port), *tls_files(d)])
 
 
 def need_tool(name: str) -> None:

@@ -309,12 +309,11 @@ def test_redis_start_scripts_and_probes_work_on_redis_server(tmp_path, suffix, u
     """Each Redis pod's start script, run as written (paths moved under a temp dir), makes a config
     and an ACL file redis-server accepts; its probe command passes; the default user may only PING;
     the service user logs in with the Secret's password and can do its job (over TLS when on)."""
-    import socket
     import time
 
     import redis
 
-    from conftest import need_redis, need_tool
+    from conftest import free_port, make_certs, need_redis, need_tool
     need_redis()
     for tool in ("sha256sum", "redis-cli") + (("openssl",) if tls else ()):
         need_tool(tool)
@@ -326,8 +325,7 @@ def test_redis_start_scripts_and_probes_work_on_redis_server(tmp_path, suffix, u
     for k in keys:
         (tmp_path / "secrets" / k).write_text(f"pw-{k}")
     if tls:
-        from test_shared_state_deploy import _certs
-        _certs(str(tmp_path / "tls"))
+        make_certs(str(tmp_path / "tls"))
         (tmp_path / "tls" / "server.crt").rename(tmp_path / "tls" / "tls.crt")
         (tmp_path / "tls" / "server.key").rename(tmp_path / "tls" / "tls.key")
 
@@ -338,9 +336,7 @@ def test_redis_start_scripts_and_probes_work_on_redis_server(tmp_path, suffix, u
         return text
 
     (tmp_path / "etc" / "redis.conf").write_text(moved(conf))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     # Options after the config file override it: a free port on loopback.
     ports = f"--tls-port {port} --port 0" if tls else f"--port {port}"
     script = re.sub(r"exec redis-server (\S+)", rf"exec redis-server \1 {ports} --bind 127.0.0.1", moved(script))

@@ -333,28 +333,13 @@ def test_kv_tier_as_the_helm_chart_sets_it_up(tmp_path, agents, tls):
     inside, `?ssl_ca_certs=` with TLS). Evicted chunks come back from Redis bit-exact."""
     import pathlib
     import re
-    import socket
-
     import redis as redis_py
-    from conftest import RedisServer, need_redis, need_tool
+    from conftest import RedisServer, need_redis, tls_redis
 
     need_redis()
     helpers = (pathlib.Path(__file__).parent.parent / "deploy" / "helm" / "cachescout" / "templates" / "_helpers.tpl")
     rule = re.search(r'define "cachescout.kvAcl" -}}\n(.*)\n', helpers.read_text()).group(1).split()
-    extra: list[str] = []
-    if tls:
-        need_tool("openssl")
-        from test_shared_state_deploy import _certs
-        _certs(str(tmp_path))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        extra = ["--tls-port", str(port), "--tls-cert-file", str(tmp_path / "server.crt"),
-                 "--tls-key-file", str(tmp_path / "server.key"), "--tls-ca-cert-file", str(tmp_path / "ca.crt"),
-                 "--tls-auth-clients", "no"]
-        server = RedisServer(port=port, scheme="rediss", extra=extra)
-    else:
-        server = RedisServer()
+    server = tls_redis(str(tmp_path)) if tls else RedisServer()
     try:
         tls_kw = {"ssl": True, "ssl_ca_certs": str(tmp_path / "ca.crt")} if tls else {}
         admin = redis_py.Redis(host="127.0.0.1", port=server.port, **tls_kw)

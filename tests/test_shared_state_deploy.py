@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import logging
-import os
 import socket
 import subprocess
 import time
 
 import pytest
 import redis
-from conftest import RedisServer, need_redis, need_tool
+from conftest import RedisServer, free_port, need_redis, tls_redis
 
 from cachescout.connector.shared_state import SharedLearnedState, SharedStateSettings
 from cachescout.policy import CacheScoutPolicy, PolicyConfig
@@ -75,30 +74,8 @@ def test_password_from_a_file(redis_server, tmp_path):
     assert set(pa) == {"y", "z"}
 
 
-def _certs(d: str) -> None:
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
-    run("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.crt", "-days", "2",
-        "-subj", "/CN=cachescout-test-ca")
-    run("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr",
-        "-subj", "/CN=127.0.0.1")
-    with open(os.path.join(d, "san.ext"), "w") as f:
-        f.write("subjectAltName=IP:127.0.0.1\n")
-    run("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-        "-out", "server.crt", "-days", "2", "-extfile", "san.ext")
-
-
 def test_tls_with_a_private_ca(tmp_path):
-    need_redis()
-    need_tool("openssl")
-    _certs(str(tmp_path))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = RedisServer(port=port, scheme="rediss", extra=[
-        "--tls-port", str(port), "--tls-cert-file", str(tmp_path / "server.crt"),
-        "--tls-key-file", str(tmp_path / "server.key"), "--tls-ca-cert-file", str(tmp_path / "ca.crt"),
-        "--tls-auth-clients", "no"])
+    server = tls_redis(str(tmp_path))
     try:
         pa, _ = exchange({"url": server.url, "tls_ca_file": str(tmp_path / "ca.crt")})
         assert set(pa) == {"y", "z"}
@@ -109,28 +86,14 @@ def test_tls_with_a_private_ca(tmp_path):
         server.stop()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("mode", ["plain", "acl-user", "tls"])
 def test_through_sentinel(tmp_path, monkeypatch, mode):
     """The master found through Sentinel; with an ACL user the credentials go to the master only
     (Sentinels are asked without them); with TLS, Sentinels and master speak TLS."""
     need_redis()
     tls = mode == "tls"
-    if tls:
-        need_tool("openssl")
-        _certs(str(tmp_path))
-        files = ["--tls-cert-file", str(tmp_path / "server.crt"), "--tls-key-file", str(tmp_path / "server.key"),
-                 "--tls-ca-cert-file", str(tmp_path / "ca.crt"), "--tls-auth-clients", "no"]
-        mport = _free_port()
-        master = RedisServer(port=mport, scheme="rediss", extra=["--tls-port", str(mport), *files])
-    else:
-        master = RedisServer()
-    port = _free_port()
+    master = tls_redis(str(tmp_path)) if tls else RedisServer()
+    port = free_port()
     conf = tmp_path / "sentinel.conf"
     lines = ["bind 127.0.0.1", f"dir {tmp_path}"]
     if tls:
