@@ -180,3 +180,17 @@ livenessProbe:
   failureThreshold: 6
   timeoutSeconds: 5
 {{- end -}}
+
+{{/* The TLS Secret (tls.crt, tls.key, ca.crt) mounted at /tls (with tls.enabled). */}}
+{{- define "cachescout.tlsMount" -}}
+- name: tls
+  mountPath: /tls
+  readOnly: true
+{{- end -}}
+
+{{- define "cachescout.tlsVolume" -}}
+- name: tls
+  secret:
+    secretName: {{ .Values.tls.secretName }}
+    defaultMode: 0440
+{{- end -}}
