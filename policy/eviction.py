@@ -79,6 +79,7 @@ class EvictionIndex:
     def __init__(self) -> None:
         self._blocks: dict[Hashable, Block] = {}
         self._groups: dict[Hashable, Group] = {}
+        self._headed: dict[Group, None] = {}   # groups with a free block (insertion-ordered set)
         self._seq = 0
         self.n_free = 0
         self.default_group = self.group(("lru",), "other")
@@ -107,6 +108,10 @@ class EvictionIndex:
 
     def groups(self) -> Iterable[Group]:
         return self._groups.values()
+
+    def free_groups(self) -> Iterable[Group]:
+        """Groups holding at least one free block: the only ones a victim can come from."""
+        return self._headed.keys()
 
     def get_group(self, gid: Hashable) -> Group | None:
         return self._groups.get(gid)
@@ -212,10 +217,7 @@ class EvictionIndex:
         to the slow drift of blocks' ages (a cache may keep the answer until the version moves)."""
         if n <= 0 or self.n_free == 0:
             return []
-        heap = []
-        for g in self._groups.values():
-            if g.head is not None:
-                heap.append(self._entry(g, g.head, now))
+        heap = [self._entry(g, g.head, now) for g in self._headed]
         heapq.heapify(heap)
         out: list[Hashable] = []
         entry = self._entry
@@ -237,13 +239,12 @@ class EvictionIndex:
         return out
 
     def next_victim_group(self, now: float) -> Group | None:
-        """The group the next victim would come from (None when nothing is free). O(groups)."""
+        """The group the next victim would come from (None when nothing is free). O(free groups)."""
         best, best_key = None, None
-        for g in self._groups.values():
-            if g.head is not None:
-                key = -self._entry(g, g.head, now)[0]
-                if best_key is None or key > best_key:
-                    best, best_key = g, key
+        for g in self._headed:
+            key = -self._entry(g, g.head, now)[0]
+            if best_key is None or key > best_key:
+                best, best_key = g, key
         return best
 
     def evict(self, n: int, now: float) -> list[Hashable]:
@@ -251,8 +252,7 @@ class EvictionIndex:
         if self._heap_now != now or self._heap_epoch != self.epoch:
             self._heap_now = now
             self._heap_epoch = self.epoch
-            heap = self._heap = [self._entry(g, g.head, now) + (g, g.stamp)
-                                 for g in self._groups.values() if g.head is not None]
+            heap = self._heap = [self._entry(g, g.head, now) + (g, g.stamp) for g in self._headed]
             heapq.heapify(heap)
         heap = self._heap
         out: list[Hashable] = []
@@ -272,6 +272,10 @@ class EvictionIndex:
 
     def _head_changed(self, g: Group) -> None:
         g.stamp += 1
+        if g.head is None:
+            self._headed.pop(g, None)
+        else:
+            self._headed[g] = None
         if self._heap_now is not None and g.head is not None:
             heapq.heappush(self._heap, self._entry(g, g.head, self._heap_now) + (g, g.stamp))
 

@@ -53,9 +53,11 @@ _SIGN64 = 1 << 63
 
 def block_key(h: object) -> int:
     """A block hash (vLLM's `BlockHash` bytes, or any int) as the signed 64-bit int used here."""
+    if isinstance(h, bytes):   # vLLM's case first: one C call
+        return int.from_bytes(h[:8], "big", signed=True)
     if isinstance(h, int):
         v = h & _MASK64
-    elif isinstance(h, (bytes, bytearray, memoryview)):
+    elif isinstance(h, (bytearray, memoryview)):
         v = int.from_bytes(bytes(h[:8]), "big")
     else:
         raise TypeError(f"block hash must be int or bytes, got {type(h).__name__}")

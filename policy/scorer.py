@@ -17,18 +17,21 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import NamedTuple
 
 from .config import PolicyConfig
 from .costs import RebuildCost
 from .eviction import EvictionIndex
 from .sessions import Session, SessionTracker
-from .transitions import START, TransitionLearner
+from .transitions import END, START, TransitionLearner
 
 _RATE_FLOOR = 1e-4     # uses per second of a group nobody is predicted to use: far, not infinitely
 _EMA = 0.05
 _RATE_WINDOW_S = 60.0  # new-session arrivals are counted over about this much time
 _LINKED_SHARE = 0.2    # multi-call sessions spanning agents, at and above which contexts are trusted
 _UNLINKED_SHARE = 0.1  # ... and at and below which they are not
+# Idle for this many think times, a session is under 0.1% likely to call again (see next_call_in).
+_ALIVE_IDLE_THINKS = 2.0 - math.log(1e-3)
 
 
 class _Timing:
@@ -53,6 +56,30 @@ class _Timing:
     def get(self, agent: str | None) -> float:
         return self.per_agent.get(agent, self.overall) if agent is not None else self.overall
 
+    def longest(self) -> float:
+        """The largest current estimate (of any agent, or the fallback)."""
+        return max(self.overall, max(self.per_agent.values(), default=0.0))
+
+
+def _next_call(s: Session, now: float, think: float, duration: float) -> tuple[float, float]:
+    """`next_call_in` given the session's agent's think time and call duration. A session in a
+    call is expected to call again after the rest of it plus the think time; an idle one once its
+    think time has passed, less likely the longer it waits beyond twice that."""
+    if s.in_flight:
+        return max(duration - (now - s.last_call_at), 0.1 * duration) + think, 1.0
+    idle = now - max(s.last_finish_at, s.last_call_at)
+    return max(think - idle, 0.1 * think), math.exp(-max(0.0, idle - 2.0 * think) / think)
+
+
+class _Row(NamedTuple):
+    """What the chain predicts after a source agent, within the prediction horizon."""
+
+    version: int                  # the learner's version it was computed at
+    reach: dict[str, float]       # agent -> P(called within the horizon)
+    conf: float                   # confidence in the row (0 below min_confidence)
+    extra: dict[str, float]       # agent -> expected calls before its first use, given it happens
+    uses: tuple[tuple[str, float, float], ...]   # (agent, reach, extra) of the real agents, for scoring
+
 
 class SurvivalScorer:
     def __init__(self, cfg: PolicyConfig, learner: TransitionLearner, sessions: SessionTracker,
@@ -69,8 +96,10 @@ class SurvivalScorer:
         self._arrivals = 0.0          # time-decayed new sessions ...
         self._elapsed = 0.0           # ... over time-decayed seconds
         self._last_arrival_at: float | None = None
-        self._rows: dict[str, tuple[int, dict[str, float], float, dict[str, float]]] = {}
+        self._rows: dict[str, _Row] = {}
         self._scored_at: tuple | None = None
+        self.scored_now = 0.0         # the clock at the last rescoring: ages are measured from it
+        self._links: tuple = (None, 1.0)   # (sessions' version, session_links() then)
 
     def note_new_session(self, now: float) -> None:
         if self._last_arrival_at is not None and now > self._last_arrival_at:
@@ -95,10 +124,9 @@ class SurvivalScorer:
     def row(self, src: str) -> tuple[dict[str, float], float]:
         """(reach within the horizon, confidence) of a source agent, recomputed every few updates."""
         got = self._row(src)
-        return got[1], got[2]
+        return got.reach, got.conf
 
-    def _row(self, src: str) -> tuple[int, dict[str, float], float, dict[str, float]]:
-        """(version, reach, confidence, extra calls before the first use given it happens)."""
+    def _row(self, src: str) -> _Row:
         version = self.learner.version
         got = self._rows.get(src)
         if got is not None and version - got[0] < self.cfg.model_refresh_interval:
@@ -119,7 +147,8 @@ class SurvivalScorer:
         conf = self.learner.confidence(src)
         if conf < self.cfg.min_confidence:
             conf = 0.0
-        got = (version, reach, conf, extra)
+        uses = tuple((x, p, extra.get(x, 0.0)) for x, p in reach.items() if x != END)
+        got = _Row(version, reach, conf, extra, uses)
         self._rows[src] = got
         if len(self._rows) > 4 * self.cfg.max_agents:
             self._rows.clear()
@@ -130,27 +159,26 @@ class SurvivalScorer:
         are active but under a tenth of the multi-call sessions used more than one of them
         (sessions are evidently not being linked across agents; the few that are come from agents
         relabelled while their anchors were learned), 1 from a fifth on, or with no evidence."""
+        key = (self.sessions.version, len(self.current_anchor))
+        if self._links[0] == key:
+            return self._links[1]
         share = self.sessions.cross_agent_share()
         if share is None or len(self.current_anchor) < 2:
-            return 1.0
-        return min(1.0, max(0.0, (share - _UNLINKED_SHARE) / (_LINKED_SHARE - _UNLINKED_SHARE)))
+            links = 1.0
+        else:
+            links = min(1.0, max(0.0, (share - _UNLINKED_SHARE) / (_LINKED_SHARE - _UNLINKED_SHARE)))
+        self._links = (key, links)
+        return links
 
     def next_call_in(self, s: Session, now: float) -> tuple[float, float]:
         """(seconds until the session's next call is expected, probability it is still going)."""
-        agent = s.agent
-        think = max(self.think.get(agent), 1e-3)
-        if s.in_flight:
-            remaining = max(self.duration.get(agent) - (now - s.last_call_at), 0.1 * self.duration.get(agent))
-            return remaining + think, 1.0
-        idle = now - max(s.last_finish_at, s.last_call_at)
-        alive = math.exp(-max(0.0, idle - 2.0 * think) / think)
-        return max(think - idle, 0.1 * think), alive
+        return _next_call(s, now, max(self.think.get(s.agent), 1e-3), self.duration.get(s.agent))
 
     def confidence(self) -> float:
         """Confidence of the rows the live sessions are predicted from (0 below min_confidence)."""
         num = den = 0.0
         for agent, n in self.sessions.agent_counts.items():
-            num += n * self._row(agent)[2]
+            num += n * self._row(agent).conf
             den += n
         conf = num / den if den > 0 else 0.0
         return conf if conf >= self.cfg.min_confidence else 0.0
@@ -191,32 +219,43 @@ class SurvivalScorer:
         if stamp == self._scored_at:
             return
         self._scored_at = stamp
+        self.scored_now = now
         step = max(self.step_s, 1e-3)
         # Per live session: expected time to its next call and whether it is still going; its use
         # rate for agent x is alive * P(x within the horizon) / (time to the call that uses x).
-        per_session: dict[object, tuple[float, float, dict[str, float], dict[str, float], str | None]] = {}
+        per_session: dict[object, tuple[float, float, _Row, str | None]] = {}
         anchor_rate: dict[str, float] = {}
+        per_agent: dict[str, tuple[_Row, float, float]] = {}   # row, think time, call duration
         num = den = 0.0
-        for s in self.sessions:
+
+        def session_view(s: Session) -> tuple[float, float, _Row, str | None]:
+            got = per_agent.get(s.agent)
+            if got is None:
+                got = per_agent[s.agent] = (self._row(s.agent), max(self.think.get(s.agent), 1e-3),
+                                            self.duration.get(s.agent))
+            t_next, alive = _next_call(s, now, got[1], got[2])
+            view = per_session[s.sid] = (t_next, alive, got[0], overrides.get(s.sid) if overrides else None)
+            return view
+
+        # Sessions idle long enough are all but certainly over: they add nothing to the anchors'
+        # rates (their own contexts are scored below, when they have free blocks).
+        for s in self.sessions.recent(now, max(self.think.longest(), 1e-3) * _ALIVE_IDLE_THINKS):
             if s.agent is None:
                 continue
-            _, reach, conf, extra = self._row(s.agent)
-            t_next, alive = self.next_call_in(s, now)
-            nxt = overrides.get(s.sid) if overrides else None
-            per_session[s.sid] = (t_next, alive, reach, extra, nxt)
-            for x, p in reach.items():
-                anchor_rate[x] = anchor_rate.get(x, 0.0) + alive * p / (t_next + extra.get(x, 0.0) * step)
+            t_next, alive, row, nxt = session_view(s)
+            for x, p, e in row.uses:
+                anchor_rate[x] = anchor_rate.get(x, 0.0) + alive * p / (t_next + e * step)
             if nxt is not None:
                 anchor_rate[nxt] = anchor_rate.get(nxt, 0.0) + alive / t_next   # the framework said so
-            num += alive * conf
+            num += alive * row.conf
             den += alive
         new_rate = self.new_session_rate
         if new_rate > 0 and self.learner.has_row(START):
-            _, reach, conf, extra = self._row(START)
-            for x, p in reach.items():
+            start = self._row(START)
+            for x, p, _ in start.uses:
                 anchor_rate[x] = anchor_rate.get(x, 0.0) + new_rate * p
             share = new_rate * step
-            num += share * conf
+            num += share * start.conf
             den += share
         conf_all = num / den if den > 0 else 0.0
         if conf_all < self.cfg.min_confidence:
@@ -225,12 +264,11 @@ class SurvivalScorer:
         backed_value = self.cost.backed_value("cpu")
         link = self.session_links()
         current = self.current_anchor
-        row_conf = {}
         anchors = []
         preambles = []
         # Only groups with free blocks can give victims; the others keep their last scores until
         # the next rescoring after their blocks are freed.
-        free_groups = [g for g in index.groups() if g.n_free]
+        free_groups = list(index.free_groups())
         for g in free_groups:
             kind = g.kind
             if kind == "context":
@@ -240,18 +278,13 @@ class SurvivalScorer:
                 elif s.agent is None or g.agent is None:
                     rate, conf = 0.0, 0.0                  # nothing known: LRU
                 else:
-                    got = per_session.get(g.session)
-                    if got is None:
-                        rate = 0.0
-                    else:
-                        t_next, alive, reach, extra, nxt = got
-                        p = reach.get(g.agent, 0.0)
-                        rate = alive * p / (t_next + extra.get(g.agent, 0.0) * step) if p else 0.0
-                        if nxt == g.agent:
-                            rate = max(rate, alive / t_next)
-                    conf = row_conf.get(s.agent)
-                    if conf is None:
-                        conf = row_conf[s.agent] = self._row(s.agent)[2] * link
+                    got = per_session.get(g.session) or session_view(s)
+                    t_next, alive, row, nxt = got
+                    p = row.reach.get(g.agent, 0.0)
+                    rate = alive * p / (t_next + row.extra.get(g.agent, 0.0) * step) if p else 0.0
+                    if nxt == g.agent:
+                        rate = max(rate, alive / t_next)
+                    conf = row.conf * link
                     if overrides and overrides.get(g.session) == g.agent:
                         conf = 1.0
             elif kind == "anchor":

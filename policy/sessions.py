@@ -111,6 +111,7 @@ class SessionTracker:
         self._chunk_owner: dict[int, Session] = {}
         self._shared_chunks: OrderedDict[int, None] = OrderedDict()  # boilerplate, bounded
         self._idle: OrderedDict[Hashable, Session] = OrderedDict()   # no call in flight, by finish time
+        self._busy: dict[Hashable, Session] = {}                      # a call in flight
         self._ids = itertools.count(1)
         self.agent_counts: Counter[str] = Counter()   # current agent of each live session
         self.version = 0
@@ -129,6 +130,16 @@ class SessionTracker:
 
     def get(self, sid: Hashable) -> Session | None:
         return self._sessions.get(sid)
+
+    def recent(self, now: float, idle_within_s: float) -> Iterator[Session]:
+        """Sessions with a call in flight, then those whose last call ended at most
+        `idle_within_s` ago, most recent first: O(what it yields), however many sessions wait
+        to expire."""
+        yield from list(self._busy.values())
+        for s in reversed(self._idle.values()):
+            if now - s.last_finish_at > idle_within_s:
+                break
+            yield s
 
     # -- assignment ---------------------------------------------------------------------------
     def assign(self, now: float, agent: str | None, *, hint: Hashable | None = None,
@@ -188,6 +199,7 @@ class SessionTracker:
         s.in_flight += 1
         s.last_call_at = now
         self._idle.pop(s.sid, None)
+        self._busy[s.sid] = s
         self._sessions.move_to_end(s.sid)
         self.evidence[evidence] += 1
         self.version += 1
@@ -207,6 +219,7 @@ class SessionTracker:
             s.in_flight -= 1
             s.last_finish_at = now
             if s.in_flight == 0:
+                self._busy.pop(sid, None)
                 self._idle[sid] = s
 
     def close(self, sid: Hashable) -> Session | None:
@@ -273,6 +286,7 @@ class SessionTracker:
             if self._chunk_owner.get(c) is s:
                 del self._chunk_owner[c]
         self._idle.pop(s.sid, None)
+        self._busy.pop(s.sid, None)
         self.version += 1
 
     def _match_content(self, chunks: list[int], agent: str | None, among: set | None = None) -> Session | None:
