@@ -305,7 +305,7 @@ class CacheScoutPolicy:
         """The next `n` free blocks to evict, coldest first. Reads state only."""
         now = self.clock() if now is None else now
         self.scorer.score(self.index, self._next_hint, self.guard.trust, now)
-        return self.index.victims(n, self.scorer.scored_now)
+        return self.index.victims(n, now)
 
     def evict(self, n: int, now: float | None = None) -> list[Hashable]:
         """Remove and return the next `n` victims."""
@@ -316,9 +316,7 @@ class CacheScoutPolicy:
         self._evicting = True
         g = self.guard
         g.capacity = len(self.index) if g.capacity == 0 else int(0.99 * g.capacity + 0.01 * len(self.index))
-        # Blocks' ages are taken at the last rescoring, like their scores: the order then holds
-        # until the next one (blocks freed since tie at the youngest age, in free order).
-        return self.index.evict(n, self.scorer.scored_now)
+        return self.index.evict(n, now)
 
     def confidence(self) -> float:
         return self.scorer.confidence()

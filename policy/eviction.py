@@ -220,19 +220,28 @@ class EvictionIndex:
         heap = [self._entry(g, g.head, now) for g in self._headed]
         heapq.heapify(heap)
         out: list[Hashable] = []
-        entry = self._entry
+        log = math.log
         while heap and len(out) < n:
             _, _, _, b = heapq.heappop(heap)
             out.append(b.key)
             # Take the group's next blocks for as long as they still beat every other group's head
             # (a whole group often goes before the next: one heap operation instead of one each).
+            # The key is `_entry`'s, inlined: this loop runs once per victim.
             g = b.group
+            c = g.conf
+            cm, w = c * g.model, 1.0 - c
             nxt = b.next
-            top = heap[0] if heap else None
+            if not heap:
+                while nxt is not None and len(out) < n:
+                    out.append(nxt.key)
+                    nxt = nxt.next
+                break
+            top_key, top_seq = heap[0][0], heap[0][1]
             while nxt is not None and len(out) < n:
-                e = entry(g, nxt, now)
-                if top is not None and (e[0], e[1]) > (top[0], top[1]):
-                    heapq.heappush(heap, e)
+                age = log(max(now - nxt.freed_at, 0.0) + _AGE_FLOOR_S)
+                neg = -age if c <= 0.0 else -(cm + w * age)
+                if neg > top_key or (neg == top_key and nxt.seq > top_seq):
+                    heapq.heappush(heap, (neg, nxt.seq, next(_push), nxt))
                     break
                 out.append(nxt.key)
                 nxt = nxt.next

@@ -98,7 +98,6 @@ class SurvivalScorer:
         self._last_arrival_at: float | None = None
         self._rows: dict[str, _Row] = {}
         self._scored_at: tuple | None = None
-        self.scored_now = 0.0         # the clock at the last rescoring: ages are measured from it
         self._links: tuple = (None, 1.0)   # (sessions' version, session_links() then)
 
     def note_new_session(self, now: float) -> None:
@@ -219,20 +218,27 @@ class SurvivalScorer:
         if stamp == self._scored_at:
             return
         self._scored_at = stamp
-        self.scored_now = now
         step = max(self.step_s, 1e-3)
         # Per live session: expected time to its next call and whether it is still going; its use
         # rate for agent x is alive * P(x within the horizon) / (time to the call that uses x).
         per_session: dict[object, tuple[float, float, _Row, str | None]] = {}
         anchor_rate: dict[str, float] = {}
-        per_agent: dict[str, tuple[_Row, float, float]] = {}   # row, think time, call duration
+        # Per agent: its row, think time, call duration, and the uses that matter now.
+        per_agent: dict[str, tuple[_Row, float, float, tuple]] = {}
         num = den = 0.0
+        # Only groups with free blocks can give victims; the others keep their last scores until
+        # the next rescoring after their blocks are freed. So only the agents whose current anchor
+        # has free blocks need a use rate.
+        free_groups = list(index.free_groups())
+        current = self.current_anchor
+        wanted = {g.agent for g in free_groups if g.kind == "anchor" and current.get(g.agent) == g.gid[2]}
 
         def session_view(s: Session) -> tuple[float, float, _Row, str | None]:
             got = per_agent.get(s.agent)
             if got is None:
-                got = per_agent[s.agent] = (self._row(s.agent), max(self.think.get(s.agent), 1e-3),
-                                            self.duration.get(s.agent))
+                row = self._row(s.agent)
+                got = per_agent[s.agent] = (row, max(self.think.get(s.agent), 1e-3), self.duration.get(s.agent),
+                                            tuple(u for u in row.uses if u[0] in wanted))
             t_next, alive = _next_call(s, now, got[1], got[2])
             view = per_session[s.sid] = (t_next, alive, got[0], overrides.get(s.sid) if overrides else None)
             return view
@@ -243,7 +249,7 @@ class SurvivalScorer:
             if s.agent is None:
                 continue
             t_next, alive, row, nxt = session_view(s)
-            for x, p, e in row.uses:
+            for x, p, e in per_agent[s.agent][3]:
                 anchor_rate[x] = anchor_rate.get(x, 0.0) + alive * p / (t_next + e * step)
             if nxt is not None:
                 anchor_rate[nxt] = anchor_rate.get(nxt, 0.0) + alive / t_next   # the framework said so
@@ -263,12 +269,8 @@ class SurvivalScorer:
         floor = -math.log(_RATE_FLOOR)
         backed_value = self.cost.backed_value("cpu")
         link = self.session_links()
-        current = self.current_anchor
         anchors = []
         preambles = []
-        # Only groups with free blocks can give victims; the others keep their last scores until
-        # the next rescoring after their blocks are freed.
-        free_groups = list(index.free_groups())
         for g in free_groups:
             kind = g.kind
             if kind == "context":
