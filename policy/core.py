@@ -145,10 +145,16 @@ class CacheScoutPolicy:
             agent = hints.agent
         # The session's own content starts where this prompt stops matching anything seen before
         # (past the anchor, and past task text other sessions repeated).
-        start = max(fp.anchor_blocks if fp.agent else fp.preamble_blocks, fp.matched_blocks) * self.cfg.block_size
+        bs = self.cfg.block_size
+        own_start = fp.anchor_blocks if fp.agent else fp.preamble_blocks
+        start = max(own_start, fp.matched_blocks) * bs
         a = self.sessions.assign(now, agent, hint=hints.session if hints else None, continues=fp.continues,
                                  candidates=fp.candidates, tokens=tokens, sketch=content, content_start=start)
         s = a.session
+        if fp.matched_blocks > own_start and a.evidence != "continuation":
+            # Past the anchor, this prompt repeats what another session sent (the same task text):
+            # that text is no evidence for either session.
+            self.sessions.mark_shared(own_start * bs, start, tokens=tokens, sketch=content)
         if a.previous_call_at is not None and now > a.previous_call_at:
             self.scorer.step_s += _EMA * ((now - a.previous_call_at) - self.scorer.step_s)
             self._gap_samples += 1

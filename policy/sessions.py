@@ -311,6 +311,28 @@ class SessionTracker:
             return None
         return best if best.sid in self._sessions else None
 
+    def mark_shared(self, start: int, end: int, *, tokens: Sequence[int] | None = None,
+                    sketch: Sequence[Sequence[int]] | None = None) -> None:
+        """Text at tokens[start:end] that several sessions sent: its chunks identify none of them
+        (only the first `session_window_tokens` of it are looked at, as matching does)."""
+        window = min(end - start, self.cfg.session_window_tokens)
+        if tokens is not None:
+            chunks = content_chunks(tokens, start, window)
+        elif sketch is not None:
+            chunks = sketch_window(sketch, start, window)
+        else:
+            return
+        for c in chunks:
+            if c not in self._shared_chunks:
+                self._share(c)
+
+    def _share(self, c: int) -> None:
+        self._chunk_owner.pop(c, None)   # boilerplate: evidence for no session, from now on
+        shared = self._shared_chunks
+        shared[c] = None
+        if len(shared) > 64 * self.cfg.max_sessions:
+            shared.popitem(last=False)
+
     def _register(self, s: Session, chunks: list[int]) -> None:
         owners = self._chunk_owner
         shared = self._shared_chunks
@@ -322,10 +344,7 @@ class SessionTracker:
                 owners[c] = s
                 s.chunks.append(c)
             elif owner is not s:
-                del owners[c]  # boilerplate two sessions share: evidence for neither, from now on
-                shared[c] = None
-                if len(shared) > 64 * self.cfg.max_sessions:
-                    shared.popitem(last=False)
+                self._share(c)
 
     def _match_time(self, agent: str) -> Session | None:
         learner = self.learner

@@ -1,4 +1,5 @@
 import dataclasses
+import random
 from collections import OrderedDict
 
 import pytest
@@ -7,7 +8,7 @@ from hypothesis import strategies as st
 from helpers import anchor, chain
 
 from cachescout.bench.policies import make_policy
-from cachescout.bench.replay import Engine, EngineConfig
+from cachescout.bench.replay import Engine, EngineConfig, chain_hashes
 from cachescout.bench.run import calibrate_gpu_blocks
 from cachescout.bench.workloads import WorkloadSpec, generate
 from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig, TransitionSnapshot
@@ -174,3 +175,34 @@ def test_unlinked_sessions_are_detected_and_linked_ones_trusted():
         links[name] = policy.core.scorer.session_links()
     assert links["cachescout"] == 1.0
     assert links["cachescout-hashonly"] < 0.2
+
+
+def test_two_sessions_with_the_same_task_keep_their_own_calls():
+    """A task two sessions share (the same question asked twice) is evidence for neither: each
+    session's next agent joins it through what only that session produced."""
+    rng = random.Random(5)
+
+    def text(n: int) -> list[int]:
+        return [rng.randrange(1000, 30000) for _ in range(n)]
+
+    sup, coder = text(16 * 8), text(16 * 8)
+    policy = CacheScoutPolicy(PolicyConfig(block_size=16))
+    clock = iter(range(1, 1000))
+
+    def call(rid, tokens, output=None):
+        now = float(next(clock))
+        obs = policy.observe(rid, chain_hashes(tokens, 16), tokens=tokens, now=now)
+        policy.finish(rid, now + 0.5, output_tokens=output)
+        return obs
+
+    for s in range(8):   # sessions with tasks of their own: the anchors are learned
+        task, out = text(100), text(40)
+        call((s, 0), sup + task, out)
+        call((s, 1), coder + task + out)
+    task, out_a, out_b = text(100), text(40), text(40)
+    a0 = call(("A", 0), sup + task, out_a)
+    b0 = call(("B", 0), sup + task, out_b)
+    b1 = call(("B", 1), coder + task + out_b)
+    a1 = call(("A", 1), coder + task + out_a)
+    assert a0.session != b0.session
+    assert (b1.session, a1.session) == (b0.session, a0.session)
