@@ -210,9 +210,10 @@ class AgentFingerprinter:
         leaf = node
         repeat = False
         if d < n:
-            if node.children is None and node is not root and not node.flagged:
+            if node.children is None and node is not root and not node.flagged and not isinstance(node.end_owner, _Shared):
                 # Grow the earlier prompt's tail in place. Its support restarts, so one session's
-                # repeated calls never look like a prefix shared between requests.
+                # repeated calls never look like a prefix shared between requests. (A prompt that
+                # several sessions sent keeps its end: each of them may continue it.)
                 node.seq.extend(hashes[node.end:n])
                 node.end = n
                 node.end_owner = None

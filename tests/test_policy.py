@@ -206,3 +206,7 @@ def test_two_sessions_with_the_same_task_keep_their_own_calls():
     a1 = call(("A", 1), coder + task + out_a)
     assert a0.session != b0.session
     assert (b1.session, a1.session) == (b0.session, a0.session)
+    # Back to the supervisor: each continues the prompt both sent, with its own instruction.
+    a2 = call(("A", 2), sup + task + out_a + text(40))
+    b2 = call(("B", 2), sup + task + out_b + text(40))
+    assert (a2.session, b2.session) == (a0.session, b0.session)
