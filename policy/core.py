@@ -99,6 +99,7 @@ class CacheScoutPolicy:
         self._next_hint: dict[Hashable, str] = {}  # session -> agent it will call next (hinted)
         self._pending: deque = deque()
         self._gap_samples = 0
+        self._overdue_at = float("-inf")
         # Session -> agent -> block keys of its latest prompt (and output) under that agent: what
         # its next call to that agent reuses, for context prefetch.
         self._context_keys: dict[Hashable, dict[str, list]] = {}
@@ -208,8 +209,16 @@ class CacheScoutPolicy:
         for s in self.sessions.expire(now, self.scorer.step_s if self._gap_samples >= 32 else None):
             self._next_hint.pop(s.sid, None)
             self._context_keys.pop(s.sid, None)
-            if s.agent is not None:
+            if s.agent is not None and not s.over:
                 self.learner.update(s.agent, END)
+        # A session idle far past its agent's usual wait has most likely ended: the chain learns
+        # that now (the session is kept until it expires, in case it calls again after all).
+        if now - self._overdue_at >= self.cfg.rescore_interval_s:
+            self._overdue_at = now
+            patience, shortest = self.scorer.patience()
+            for s in self.sessions.overdue(now, patience, shortest):
+                if s.agent is not None:
+                    self.learner.update(s.agent, END)
 
     # -- KV blocks of the GPU tier ------------------------------------------------------------
     def admit_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable], num_cached: int) -> None:

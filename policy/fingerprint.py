@@ -210,7 +210,8 @@ class AgentFingerprinter:
         leaf = node
         repeat = False
         if d < n:
-            if node.children is None and node is not root and not node.flagged and not isinstance(node.end_owner, _Shared):
+            ended_shared = isinstance(node.end_owner, _Shared)
+            if node.children is None and node is not root and not node.flagged and not ended_shared:
                 # Grow the earlier prompt's tail in place. Its support restarts, so one session's
                 # repeated calls never look like a prefix shared between requests. (A prompt that
                 # several sessions sent keeps its end: each of them may continue it.)

@@ -16,7 +16,7 @@ involved, so an empty or unpredictable chain gives exactly LRU.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from .config import PolicyConfig
@@ -59,6 +59,10 @@ class _Timing:
     def longest(self) -> float:
         """The largest current estimate (of any agent, or the fallback)."""
         return max(self.overall, max(self.per_agent.values(), default=0.0))
+
+    def shortest(self) -> float:
+        """The smallest current estimate (of any agent, or the fallback)."""
+        return min(self.overall, min(self.per_agent.values(), default=math.inf))
 
 
 def _next_call(s: Session, now: float, think: float, duration: float) -> tuple[float, float]:
@@ -168,6 +172,13 @@ class SurvivalScorer:
             links = min(1.0, max(0.0, (share - _UNLINKED_SHARE) / (_LINKED_SHARE - _UNLINKED_SHARE)))
         self._links = (key, links)
         return links
+
+    def patience(self) -> tuple[Callable[[str | None], float], float]:
+        """(how long a session of an agent may stay idle before it is all but certainly over,
+        the least of those): idle that long, `next_call_in` gives it under 0.1% to go on."""
+        def of(agent: str | None) -> float:
+            return max(self.think.get(agent), 1e-3) * _ALIVE_IDLE_THINKS
+        return of, max(self.think.shortest(), 1e-3) * _ALIVE_IDLE_THINKS
 
     def next_call_in(self, s: Session, now: float) -> tuple[float, float]:
         """(seconds until the session's next call is expected, probability it is still going)."""

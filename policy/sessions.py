@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections import Counter, OrderedDict
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 
 from .config import PolicyConfig
 from .transitions import TransitionLearner
@@ -92,6 +92,7 @@ class Session:
     chunks: list[int] = dataclasses.field(default_factory=list)
     called: set[str] = dataclasses.field(default_factory=set)  # agents this session has called
     linked: set[str] = dataclasses.field(default_factory=set)  # ... joined on firm evidence (not time)
+    over: bool = False             # idle long enough to be all but certainly finished
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,6 +113,7 @@ class SessionTracker:
         self._shared_chunks: OrderedDict[int, None] = OrderedDict()  # boilerplate, bounded
         self._idle: OrderedDict[Hashable, Session] = OrderedDict()   # no call in flight, by finish time
         self._busy: dict[Hashable, Session] = {}                      # a call in flight
+        self._waiting: OrderedDict[Hashable, Session] = OrderedDict()  # idle, not yet judged over
         self._ids = itertools.count(1)
         self.agent_counts: Counter[str] = Counter()   # current agent of each live session
         self.version = 0
@@ -199,6 +201,8 @@ class SessionTracker:
         s.in_flight += 1
         s.last_call_at = now
         self._idle.pop(s.sid, None)
+        self._waiting.pop(s.sid, None)
+        s.over = False
         self._busy[s.sid] = s
         self._sessions.move_to_end(s.sid)
         self.evidence[evidence] += 1
@@ -221,12 +225,28 @@ class SessionTracker:
             if s.in_flight == 0:
                 self._busy.pop(sid, None)
                 self._idle[sid] = s
+                self._waiting[sid] = s
 
     def close(self, sid: Hashable) -> Session | None:
         s = self._sessions.pop(sid, None)
         if s is not None:
             self._forget(s)
         return s
+
+    def overdue(self, now: float, patience: Callable[[str | None], float], shortest: float) -> list[Session]:
+        """Idle sessions that waited longer than `patience(agent)` after their last call: all but
+        certainly finished, though kept (and reopened if they call again) until they expire.
+        `shortest`: the least patience of any agent (the scan stops at sessions idle less)."""
+        out = []
+        for s in list(self._waiting.values()):
+            idle = now - max(s.last_call_at, s.last_finish_at)
+            if idle <= shortest:
+                break
+            if idle > patience(s.agent):
+                del self._waiting[s.sid]
+                s.over = True
+                out.append(s)
+        return out
 
     def expire(self, now: float, typical_gap_s: float | None = None) -> list[Session]:
         """Close sessions idle past the timeout (and the oldest beyond the cap); returns them.
@@ -238,15 +258,21 @@ class SessionTracker:
         timeout = self.cfg.session_idle_timeout_s
         if typical_gap_s is not None and self.cfg.session_idle_gap_factor > 0:
             timeout = min(timeout, max(_MIN_IDLE_S, self.cfg.session_idle_gap_factor * typical_gap_s))
-        while self._sessions:
-            sid, s = next(iter(self._sessions.items()))
-            idle = now - max(s.last_call_at, s.last_finish_at)
-            if s.in_flight == 0 and idle > timeout or len(self._sessions) > self.cfg.max_sessions:
-                self._sessions.popitem(last=False)
-                self._forget(s)
-                out.append(s)
-            else:
+        # Idle sessions in the order their last call ended: one with a long call in flight does
+        # not hold back the ones behind it (their ends are what teaches the chain where
+        # workflows stop).
+        idle = self._idle
+        while idle:
+            s = next(iter(idle.values()))
+            if now - max(s.last_call_at, s.last_finish_at) <= timeout:
                 break
+            self._sessions.pop(s.sid, None)
+            self._forget(s)   # also leaves `_idle`
+            out.append(s)
+        while len(self._sessions) > self.cfg.max_sessions:
+            _, s = self._sessions.popitem(last=False)
+            self._forget(s)
+            out.append(s)
         return out
 
     # -- internals ----------------------------------------------------------------------------
@@ -287,6 +313,7 @@ class SessionTracker:
                 del self._chunk_owner[c]
         self._idle.pop(s.sid, None)
         self._busy.pop(s.sid, None)
+        self._waiting.pop(s.sid, None)
         self.version += 1
 
     def _match_content(self, chunks: list[int], agent: str | None, among: set | None = None) -> Session | None:

@@ -13,6 +13,7 @@ from cachescout.bench.run import calibrate_gpu_blocks
 from cachescout.bench.workloads import WorkloadSpec, generate
 from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig, TransitionSnapshot
 from cachescout.policy.state import COUNT_SCALE
+from cachescout.policy.transitions import END
 
 AGENTS = ["sup", "coder", "search", "critic"]
 
@@ -210,3 +211,20 @@ def test_two_sessions_with_the_same_task_keep_their_own_calls():
     a2 = call(("A", 2), sup + task + out_a + text(40))
     b2 = call(("B", 2), sup + task + out_b + text(40))
     assert (a2.session, b2.session) == (a0.session, b0.session)
+
+
+def test_the_chain_learns_where_workflows_end_long_before_sessions_expire():
+    """A session idle far longer than its last agent's usual wait has ended: the chain learns
+    that then, not when the session times out (minutes later)."""
+    policy = CacheScoutPolicy(PolicyConfig(session_idle_timeout_s=300.0))
+    sup, summ = anchor("sup", 6), anchor("summarizer", 6)
+    now = 0.0
+    for s in range(12):
+        for i, part in enumerate((sup, summ)):
+            policy.observe((s, i), chain(part + [("t", s)]), hints=Hints(session=str(s)), now=now)
+            policy.finish((s, i), now + 0.5)
+            now += 0.6
+        now += 5.0
+    summarizer = policy.observe(("x", 0), chain(summ + [("t", "x")]), now=now).agent
+    assert policy.learner.probability(summarizer, END) > 0.5
+    assert len(policy.sessions) > 10    # they have not expired

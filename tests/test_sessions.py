@@ -75,3 +75,26 @@ def test_a_sketch_gives_the_same_chunks_as_the_tokens():
     sketch = content_sketch(tokens)
     for start in (0, 1, 40, 97, 300):
         assert sketch_window(sketch, start, 192) == content_chunks(tokens, start, 192)
+
+
+def test_a_long_call_in_flight_does_not_hold_back_expiry_of_others():
+    tracker = SessionTracker(PolicyConfig(session_idle_timeout_s=10.0))
+    busy = tracker.assign(0.0, "coder", hint="long")          # oldest, its call never ends here
+    done = tracker.assign(1.0, "sup", hint="short")
+    tracker.finished(done.session.sid, 2.0)
+    assert tracker.expire(13.0) == [done.session]
+    assert tracker.get(busy.session.sid) is busy.session
+
+
+def test_sessions_idle_past_their_patience_are_reported_once_and_reopened_by_a_call():
+    tracker = SessionTracker(PolicyConfig())
+    a = tracker.assign(0.0, "sup", hint="a")
+    b = tracker.assign(0.0, "coder", hint="b")
+    tracker.finished(a.session.sid, 1.0)
+    tracker.finished(b.session.sid, 1.0)
+    patience = {"sup": 2.0, "coder": 20.0}.get
+    assert tracker.overdue(2.5, patience, 2.0) == []
+    assert tracker.overdue(4.0, patience, 2.0) == [a.session] and a.session.over
+    assert tracker.overdue(5.0, patience, 2.0) == []          # reported once
+    again = tracker.assign(6.0, "coder", hint="a")           # it was not over after all
+    assert again.session is a.session and not a.session.over
