@@ -256,8 +256,8 @@ class CacheScoutConnector(KVConnectorBase_V1):
                     log.exception("CacheScout: could not install the shared model; sharing is off")
                     self._shared.close(final_flush=False)
                     self._shared = None
-            self._decision_s += time.perf_counter() - t0
             self._steps += 1
+            meta = CacheScoutMetadata()
             # Workers get the agents' scores after a rescoring, at most once a second (LMCache's
             # CPU tier changes on that scale; computing them costs a pass over live sessions).
             epoch = self.policy.index.epoch
@@ -268,9 +268,11 @@ class CacheScoutConnector(KVConnectorBase_V1):
                 try:
                     probs = self.policy.next_agent_probabilities()
                     scores = {agent: p * conf for agent, (p, conf) in probs.items()}   # 0 when unsure: LRU
-                    return CacheScoutMetadata(scores, self._prefetch_requests(probs))
+                    meta = CacheScoutMetadata(scores, self._prefetch_requests(probs))
                 except Exception:
                     log.exception("CacheScout: could not compute agent scores for the workers")
+            self._decision_s += time.perf_counter() - t0   # all of CacheScout's work in this step
+            return meta
         return CacheScoutMetadata()
 
     def _prefetch_requests(self, probs: dict[str, tuple[float, float]]) -> list[tuple[list[int], dict]]:
