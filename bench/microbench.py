@@ -10,22 +10,33 @@ Each figure is the median over many repetitions, in microseconds of wall time on
   2,000 session contexts, in batches as a block pool asks for them; plus the per-step rescoring;
 - prefetch plan: one plan for 50 agents and 200 live sessions;
 - memory per tracked agent: bytes held by the policy per agent (tracemalloc), with 50 and 1,000 agents.
+
+    python -m cachescout.bench.microbench --replay
+
+measures the replay engine instead: calls replayed per second per policy on the default workloads.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
+import math
 import random
 import statistics
 import time
 import tracemalloc
+from collections.abc import Sequence
 
 from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig, TransitionLearner
 
-from .replay import chain_hashes
-from .workloads import WorkloadSpec, generate
+from .policies import make_policy
+from .replay import Engine, EngineConfig, chain_hashes
+from .report import machine
+from .run import calibrate_gpu_blocks
+from .workloads import FAMILIES, WorkloadSpec, generate
+
+REPLAY_POLICIES = ("lru", "lmcache-lru", "continuum", "kvflow", "cachescout", "cachescout-hints",
+                   "cachescout-hashonly", "oracle")
 
 
 def _median_us(samples_ns: list[float]) -> float:
@@ -165,11 +176,43 @@ def bench_memory(agents: int) -> float:
     return used / agents
 
 
+def bench_replay_speed(policies: Sequence[str], repeats: int = 3) -> dict[str, dict[str, float]]:
+    """Calls replayed per second of wall time, per policy and default workload (the same calls,
+    cache size and single process as `cachescout bench`; best of `repeats`, as timing noise only
+    ever slows a run down)."""
+    out: dict[str, dict[str, float]] = {}
+    for family in FAMILIES:
+        sessions = generate(WorkloadSpec(family=family, sessions=300))
+        calls = sum(len(s.calls) for s in sessions)
+        cfg = EngineConfig(gpu_blocks=calibrate_gpu_blocks(sessions, 16), block_size=16)
+        for name in policies:
+            best = math.inf
+            for _ in range(repeats):
+                policy = make_policy(name, PolicyConfig(block_size=16), sessions)
+                t0 = time.perf_counter()
+                Engine(cfg, policy).run(sessions)
+                best = min(best, time.perf_counter() - t0)
+            out.setdefault(name, {})[family] = calls / best
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the figures here")
+    ap.add_argument("--replay", action="store_true",
+                    help="instead: the replay engine's speed per policy and workload (about 5 minutes)")
     args = ap.parse_args(argv)
-    figures = {"machine": f"{platform.machine()}, {platform.python_implementation()} {platform.python_version()}"}
+    if args.replay:
+        speeds = bench_replay_speed(REPLAY_POLICIES)
+        print(f"calls replayed per second ({machine()})")
+        print(f"{'policy':22s}" + "".join(f"{f:>10s}" for f in FAMILIES))
+        for name, row in speeds.items():
+            print(f"{name:22s}" + "".join(f"{row[f]:10,.0f}" for f in FAMILIES))
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(speeds, fh, indent=1)
+        return 0
+    figures = {"machine": machine()}
     figures["learner_update_median_us"] = bench_learner_update()
     figures.update(bench_observe())
     figures.update(bench_victims())

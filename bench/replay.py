@@ -229,6 +229,7 @@ class Request:
     hashes: list[int] = dataclasses.field(default_factory=list)     # full prompt blocks
     keys: list[int] = dataclasses.field(default_factory=list)       # cached blocks held (prompt, then output)
     prompt_len: int = 0
+    output_len: int = 0
     computed: int = 0            # prompt tokens computed so far
     generated: int = 0
     hit_tokens: int = 0          # all hits (GPU, CPU, Redis)
@@ -527,6 +528,7 @@ class Engine:
                 _, _, req = heapq.heappop(pending)
                 req.tokens = req.call.prompt_tokens()
                 req.prompt_len = req.call.prompt_len
+                req.output_len = req.call.output_len
                 req.hashes = (chain_hashes(req.tokens, cfg.block_size) if req.tokens is not None
                               else req.call.block_keys(cfg.block_size))
                 waiting.append(req)
@@ -569,10 +571,13 @@ class Engine:
             steps += 1
             # 3) apply the step
             finished: list[Request] = []
+            bs = cfg.block_size
             for req in decode:
                 if not req.running:
                     continue  # preempted earlier in this step
-                while not self._grow(req):
+                # Only a token that opens or fills a block touches the cache (see `_grow`).
+                edge = (req.prompt_len + req.generated) % bs
+                while (edge <= 1 or bs == 1) and not self._grow(req):
                     victim = running.pop()
                     self._preempt(victim)
                     if max_preemptions is not None and self.preemptions > max_preemptions:
@@ -583,7 +588,7 @@ class Engine:
                 if not req.running:
                     continue
                 req.generated += 1
-                if req.generated >= req.call.output_len:
+                if req.generated >= req.output_len:
                     finished.append(req)
             for req, chunk in prefill:
                 if not req.running:
@@ -593,7 +598,7 @@ class Engine:
                     if req.first_token_at is None:
                         req.first_token_at = self.now
                     req.generated = 1            # the prefill step samples the first token
-                    if req.call.output_len <= 1:
+                    if req.output_len <= 1:
                         finished.append(req)
             for req in finished:
                 req.finished_at = self.now
