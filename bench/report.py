@@ -47,7 +47,8 @@ SCENARIOS = (
      "`BlockPool` (CPU, hand-made model outputs, the same cost model's clock), without and with "
      "`CacheScoutConnector` loaded through `kv_transfer_config`; GPU tier only. `hit fast` is the fast "
      "replay's figure for the same calls and cache. `connector/step` is CacheScout's own time per "
-     "scheduler step (wall time on this machine, one workload at a time); `of step time` divides it by "
+     "scheduler step (CPU time of the scheduler's thread on this machine, one workload at a time); "
+     "`of step time` divides it by "
      "the step time without it (the cost model's GPU step plus vLLM's scheduler CPU time), taking the "
      "larger of the share of the `lru` run's steps and of this run's own.",
      dict(engine="vllm", policies=("lru", "cachescout"), sweeps=False, jobs=1), "--engine vllm --jobs 1"),
@@ -57,8 +58,7 @@ SCENARIOS = (
      "the scheduler's external-hit lookups from LRU tiers written through as blocks are computed, with the "
      "fast replay's rules; vLLM then takes those tokens as loaded). `all tiers` is the hit rate over GPU, "
      "CPU and Redis. CacheScout's fast-replay counterpart is `cachescout-noprefetch`: inside vLLM CacheScout "
-     "prefetches into LMCache's CPU tier, not into the GPU. Connector times are from two workloads run at "
-     "once, so noisier than above.",
+     "prefetches into LMCache's CPU tier, not into the GPU. Two workloads run at once here.",
      dict(engine="vllm", policies=("lmcache-lru", "cachescout"), cpu_ratio=0.5, redis_ratio=1.0, sweeps=False,
           jobs=2), "--engine vllm --cpu-ratio 0.5 --redis-ratio 1 --jobs 2"),
 )
@@ -147,8 +147,9 @@ def outro(everything: dict) -> str:
 - On vLLM's own scheduler the GPU hit rates agree with the fast replay within {max(diffs) * 100:.1f} points for
   both policies on every workload (vLLM allocates a request in the step that first shows it to the
   connector, so a few evictions happen before the policy has seen it). The connector's own cost is
-  {_span([100 * o for o in overhead], '.1f')}% of a step on this 2-core machine (target: under 2%; wall time,
-  noisy by about a fifth between runs): the per-request bookkeeping (agent and session inference,
+  {_span([100 * o for o in overhead], '.1f')}% of a step on this 2-core machine (target: under 2%; CPU
+  time of the scheduler's thread, which other processes on the machine do not inflate as they do
+  wall time): the per-request bookkeeping (agent and session inference,
   the mirror of vLLM's blocks, releases) and the rescoring run on the scheduler's thread. That is the
   cost with lock-step scheduling; vLLM 0.33 schedules asynchronously by default (the next step is
   scheduled while the GPU runs the current one), where the connector adds nothing as long as
@@ -212,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parts.append(trace_section())
     parts.append(outro(everything))
     parts.append(f"\nGenerated {datetime.date.today().isoformat()} on {machine()}; timings are virtual except "
-                 "the vLLM connector's own time per step (wall time).\n")
+                 "the scheduler's and the connector's time per step (CPU time of the scheduler's thread).\n")
     with open(args.out, "w", encoding="utf-8") as fh:
         fh.write("\n".join(parts))
     if args.json:

@@ -303,8 +303,8 @@ def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
         return {
             "semantics": "GPU-tier token-weighted prefix hits as vLLM's scheduler reports them "
                          "(prefill_stats.num_local_cached_tokens), beside the fast engine's on the same "
-                         "sessions and cache size; connector time is wall time on this machine, step time "
-                         "the cost model's GPU step plus the scheduler's CPU time",
+                         "sessions and cache size; connector and scheduler times are CPU time of the "
+                         "scheduler's thread, step time the cost model's GPU step plus the scheduler's",
             "workloads": reports,
         }
     return {

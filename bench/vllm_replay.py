@@ -135,7 +135,7 @@ class VllmReplayResult:
     makespan_s: float
     steps: int
     preemptions: int
-    scheduler_s: float            # wall time in vLLM's schedule() + update_from_output()
+    scheduler_s: float            # CPU time of this thread in vLLM's schedule() + update_from_output()
     connector_s: float            # of which CacheScout's connector (its own decision time)
     connector_stats: dict
 
@@ -225,9 +225,9 @@ class VllmReplay:
                                         arrival_time=self.now, block_hasher=self._hasher)
                 live[rid] = c
                 sched.add_request(c.request)
-            t0 = time.perf_counter()
+            t0 = time.thread_time()   # CPU time, as the connector's own is measured
             out = sched.schedule()
-            t1 = time.perf_counter()
+            t1 = time.thread_time()
             if not out.num_scheduled_tokens:
                 raise RuntimeError("vLLM scheduled nothing: a call needs more KV blocks than the cache holds")
             prefill_tokens = decode_seqs = context = 0
@@ -253,9 +253,9 @@ class VllmReplay:
                 self.tiers.take_step_load_s() if self.tiers is not None else 0.0)
             mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                     sampled_token_ids=sampled)
-            t2 = time.perf_counter()
+            t2 = time.thread_time()
             eco = sched.update_from_output(out, mro)
-            sched_s += time.perf_counter() - t2 + (t1 - t0)
+            sched_s += time.thread_time() - t2 + (t1 - t0)
             steps += 1
             for rid, toks in zip(ids, sampled, strict=True):
                 if toks:

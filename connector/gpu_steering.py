@@ -35,7 +35,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
-from cachescout.policy import CacheScoutPolicy, Hints, block_key
+from cachescout.policy import CacheScoutPolicy, Hints, block_keys
 
 _MAX_STALE_ROUNDS = 4   # victim lists re-asked after dropping evicted blocks from the mirror
 _ARRIVAL_DECAY = 0.9    # per step, of the peak of blocks taken by requests arriving between steps
@@ -136,7 +136,7 @@ class GpuSteering:
             hints, bad = Hints.from_params(getattr(request, "kv_transfer_params", None))
             if bad:
                 self.stats["bad_hints"] += len(bad)
-            keys = keys_of[request.request_id] = [block_key(h) for h in request.block_hashes]
+            keys = keys_of[request.request_id] = block_keys(request.block_hashes)
             self._waiting_blocks += len(keys) + 1
             obs = policy.observe(request.request_id, keys, tokens=request.prompt_token_ids, hints=hints, now=now)
             self._note_anchor(request, obs)
@@ -145,7 +145,7 @@ class GpuSteering:
         for rid, t in self._allocated.items():
             keys = keys_of.pop(rid, None)
             if keys is None:
-                keys = [block_key(h) for h in t.request.block_hashes]
+                keys = block_keys(t.request.block_hashes)
             else:
                 self._waiting_blocks -= len(keys) + 1
             t.keys = keys
@@ -220,7 +220,7 @@ class GpuSteering:
         blocks = self.req_blocks(t.request.request_id)
         keys = t.keys
         if len(keys) < len(hashes):
-            keys.extend(block_key(h) for h in hashes[len(keys):])
+            keys.extend(block_keys(hashes[len(keys):]))
         start = i = t.filed
         n = min(len(hashes), len(blocks))
         where_of, key_at = self._where, self._key_at
@@ -249,9 +249,17 @@ class GpuSteering:
         request = t.request
         self.policy.finish(request.request_id, now, output_tokens=list(request.output_token_ids))
         freed = []
+        where_of = self._where
         for key in reversed(t.keys[:t.filed]):   # tail first, the order vLLM frees in
-            blk = self._located(key)
-            if blk is not None and blk.ref_cnt == 0:
+            where = where_of.get(key)
+            if where is None:
+                continue
+            blk = where[0]
+            if blk.block_hash is not where[1] and blk.block_hash != where[1]:
+                blk = self._located(key)          # evicted since: fixes the mirror
+                if blk is None:
+                    continue
+            if blk.ref_cnt == 0:
                 freed.append(key)
         if freed:
             self.policy.blocks_freed(freed, now)

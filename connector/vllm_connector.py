@@ -97,7 +97,7 @@ PROM_COUNTERS = {
     "evictions_seen": "evictions of blocks CacheScout tracked",
     "bad_hints": "malformed cachescout.* hints in kv_transfer_params (ignored)",
     "steps": "scheduler steps seen",
-    "decision_s": "seconds spent in CacheScout's per-step work",
+    "decision_s": "CPU seconds of the scheduler's thread spent in CacheScout's per-step work",
     "state_flushes": "flushes of this replica's learned counts to the shared state",
     "state_merges": "merged models built from every replica's counts",
     "state_errors": "failed rounds with the shared-state Redis (auth errors included)",
@@ -243,7 +243,9 @@ class CacheScoutConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         steering = self._steering
         if steering is not None and not self._failed:
-            t0 = time.perf_counter()
+            # CPU time of this (the scheduler's) thread: what CacheScout adds to a step, without
+            # other processes' or threads' turns on a shared machine.
+            t0 = time.thread_time()
             try:
                 steering.step()
             except Exception:   # never take the scheduler down: fall back to vLLM's own order
@@ -271,7 +273,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
                     meta = CacheScoutMetadata(scores, self._prefetch_requests(probs))
                 except Exception:
                     log.exception("CacheScout: could not compute agent scores for the workers")
-            self._decision_s += time.perf_counter() - t0   # all of CacheScout's work in this step
+            self._decision_s += time.thread_time() - t0   # all of CacheScout's work in this step
             return meta
         return CacheScoutMetadata()
 

@@ -64,6 +64,14 @@ def block_key(h: object) -> int:
     return v - (1 << 64) if v & _SIGN64 else v
 
 
+def block_keys(hashes: Sequence[object]) -> list[int]:
+    """`block_key` of each hash; vLLM's bytes in one pass."""
+    if hashes and all(type(h) is bytes for h in hashes):
+        from_bytes = int.from_bytes
+        return [from_bytes(h[:8], "big", signed=True) for h in hashes]
+    return [block_key(h) for h in hashes]
+
+
 class _Node:
     __slots__ = ("nid", "parent", "start", "end", "seq", "children", "support", "last_seen",
                  "recent", "flagged", "flag_kids", "end_owner", "pre_at", "pre_val",

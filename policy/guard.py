@@ -56,9 +56,7 @@ class LruGuard:
         block before it are cached."""
         held, free = self._held, self._free
         prefix_lru = prefix_ours = True
-        for key in keys:
-            if hash(key) % SAMPLE:
-                continue
+        for key in [k for k in keys if not hash(k) % SAMPLE]:
             was_free = free.pop(key, 0) is None
             prefix_lru = prefix_lru and (was_free or key in held)
             prefix_ours = prefix_ours and key in cached
@@ -72,17 +70,16 @@ class LruGuard:
 
     def filled(self, keys: Sequence[Hashable]) -> None:
         """Blocks a request computed while decoding (cached from now on)."""
-        for key in keys:
-            if hash(key) % SAMPLE == 0:
-                self._free.pop(key, None)
-                self._held.add(key)
+        for key in [k for k in keys if not hash(k) % SAMPLE]:
+            self._free.pop(key, None)
+            self._held.add(key)
         self._trim()
 
     def released(self, keys: Sequence[Hashable]) -> None:
         """Blocks that became free, in free order: LRU's recency is the release."""
         held, free = self._held, self._free
-        for key in keys:
-            if hash(key) % SAMPLE == 0 and key in held:
+        for key in [k for k in keys if not hash(k) % SAMPLE]:
+            if key in held:
                 held.discard(key)
                 free[key] = None
 
