@@ -19,7 +19,8 @@ against it before any block is moved:
 
 How many victims to place: the blocks the next step can allocate (prompt blocks still to compute
 of running and waiting requests, a decayed peak of what requests arriving between steps took, one
-per running decode), times `ahead_factor`, twice over so that a placement lasts a few steps. A
+per running decode about to open a block), times `ahead_factor`, twice over so that a placement
+lasts a few steps. A
 placement stands while only blocks were freed since, for up to one rescoring interval.
 
 This module imports nothing from vLLM: it reads the pool's attributes (`free_block_queue`,
@@ -166,18 +167,22 @@ class GpuSteering:
             self._release(self._running.pop(rid, None) or _Tracked(request), now)
         self._finished.clear()
         # The next step allocates at most: the prompt blocks still to compute (of running and
-        # waiting requests) up to the step's token budget, and one block per running decode.
+        # waiting requests) up to the step's token budget, and one per running decode opening a block.
         bs = policy.cfg.block_size
         prefill = self._waiting_blocks
+        decode = 0
         for t in self._running.values():
             r = t.request
             if t.filed < len(r.block_hashes):
                 self._file_new_blocks(t)
-            left = r.num_prompt_tokens - r.num_computed_tokens
+            computed = r.num_computed_tokens
+            left = r.num_prompt_tokens - computed
             if left > 0:
                 prefill += left // bs + 1
+            elif computed % bs <= 1 or bs == 1:
+                decode += 1   # its next token or the one after opens a block (one in `bs` do)
         budget = self.budget_tokens // bs + 1
-        upcoming = min(prefill + int(self._arrival_blocks), budget) + len(self._running)
+        upcoming = min(prefill + int(self._arrival_blocks), budget) + decode
         if self.steer:
             self._steer(max(self.ahead_blocks, int(self.ahead_factor * upcoming)), now)
 
@@ -224,13 +229,15 @@ class GpuSteering:
         start = i = t.filed
         n = min(len(hashes), len(blocks))
         where_of, key_at = self._where, self._key_at
+        # A prefix hit on a block filed before (the common case): nothing to update.
+        get = where_of.get
         while i < n:
+            where = get(keys[i])
+            if where is not None and where[0] is blocks[i]:
+                i += 1
+                continue
             blk = blocks[i]
             key = keys[i]
-            where = where_of.get(key)
-            if where is not None and where[0] is blk:
-                i += 1   # a prefix hit on a block filed before (the common case): nothing to update
-                continue
             bh = blk.block_hash
             if bh is None:
                 break
@@ -363,6 +370,12 @@ class GpuSteering:
             victims.clear()
             stale = False
             for key in self.policy.victims(_PLACE_FACTOR * want, now):
+                where = where_of.get(key)
+                if where is not None:   # `_check`'s common case, inlined: unchanged and free
+                    blk = where[0]
+                    if blk.block_hash is where[1] and not blk.ref_cnt:
+                        victims.append(blk)
+                        continue
                 blk = self._check(key)
                 if blk is None:
                     stale = True
