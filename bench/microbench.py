@@ -35,7 +35,7 @@ from .report import machine
 from .run import calibrate_gpu_blocks
 from .workloads import FAMILIES, WorkloadSpec, generate
 
-REPLAY_POLICIES = ("lru", "lmcache-lru", "continuum", "kvflow", "cachescout", "cachescout-hints",
+REPLAY_POLICIES = ("lru", "continuum", "kvflow", "cachescout", "cachescout-hints",
                    "cachescout-hashonly", "oracle")
 
 
