@@ -254,7 +254,9 @@ class GpuSteering:
     def _release(self, t: _Tracked, now: float) -> None:
         """After vLLM freed a finished request's blocks: those nobody holds become evictable."""
         request = t.request
-        self.policy.finish(request.request_id, now, output_tokens=list(request.output_token_ids))
+        # Only the output's first `session_window_tokens` are read (its leading content chunks).
+        window = self.policy.cfg.session_window_tokens
+        self.policy.finish(request.request_id, now, output_tokens=request.output_token_ids[:window])
         freed = []
         where_of = self._where
         for key in reversed(t.keys[:t.filed]):   # tail first, the order vLLM frees in
