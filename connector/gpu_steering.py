@@ -20,8 +20,8 @@ against it before any block is moved:
 How many victims to place: the blocks the next step can allocate (prompt blocks still to compute
 of running and waiting requests, a decayed peak of what requests arriving between steps took, one
 per running decode about to open a block), times `ahead_factor`, twice over so that a placement
-lasts a few steps. A
-placement stands while only blocks were freed since, for up to one rescoring interval.
+lasts a few steps. A placement stands while only blocks were freed since, for up to one rescoring
+interval.
 
 This module imports nothing from vLLM: it reads the pool's attributes (`free_block_queue`,
 `cached_block_hash_to_block`, `KVCacheBlock.block_hash`/`ref_cnt`/`block_id`) and uses the queue's
@@ -258,17 +258,9 @@ class GpuSteering:
         window = self.policy.cfg.session_window_tokens
         self.policy.finish(request.request_id, now, output_tokens=request.output_token_ids[:window])
         freed = []
-        where_of = self._where
         for key in reversed(t.keys[:t.filed]):   # tail first, the order vLLM frees in
-            where = where_of.get(key)
-            if where is None:
-                continue
-            blk = where[0]
-            if blk.block_hash is not where[1] and blk.block_hash != where[1]:
-                blk = self._located(key)          # evicted since: fixes the mirror
-                if blk is None:
-                    continue
-            if blk.ref_cnt == 0:
+            blk = self._located(key)
+            if blk is not None and blk.ref_cnt == 0:
                 freed.append(key)
         if freed:
             self.policy.blocks_freed(freed, now)
@@ -372,12 +364,6 @@ class GpuSteering:
             victims.clear()
             stale = False
             for key in self.policy.victims(_PLACE_FACTOR * want, now):
-                where = where_of.get(key)
-                if where is not None:   # `_check`'s common case, inlined: unchanged and free
-                    blk = where[0]
-                    if blk.block_hash is where[1] and not blk.ref_cnt:
-                        victims.append(blk)
-                        continue
                 blk = self._check(key)
                 if blk is None:
                     stale = True

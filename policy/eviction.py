@@ -282,14 +282,7 @@ class EvictionIndex:
         if self._heap_now != now or self._heap_epoch != self.epoch:
             self._heap_now = now
             self._heap_epoch = self.epoch
-            # `_entry`, inlined: this runs over every free group at each new time.
-            log, push = math.log, _push
-            heap = self._heap = []
-            for g in self._headed:
-                b = g.head
-                c = g.conf
-                age = log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S)
-                heap.append((-age if c <= 0.0 else -(c * g.model + (1.0 - c) * age), b.seq, next(push), b, g, g.stamp))
+            heap = self._heap = [self._entry(g, g.head, now) + (g, g.stamp) for g in self._headed]
             heapq.heapify(heap)
         heap = self._heap
         out: list[Hashable] = []
