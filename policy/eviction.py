@@ -20,6 +20,7 @@ import math
 from collections.abc import Hashable, Iterable, Iterator
 
 _AGE_FLOOR_S = 1e-3
+_HEAP_HORIZON_S = 0.1   # `evict`'s heap keys serve as bounds this long (scorers rescore about as often)
 _push = itertools.count()
 
 
@@ -81,12 +82,14 @@ class EvictionIndex:
         self._groups: dict[Hashable, Group] = {}
         self._headed: dict[Group, None] = {}   # groups with a free block (insertion-ordered set)
         self._seq = 0
+        self._last_freed_at = -math.inf
         self.n_free = 0
         self.default_group = self.group(("lru",), "other")
-        # Heap of group heads for `evict`, valid for one (time, scores) pair; stale entries are
-        # skipped by stamp, so keeping it current costs one push per head change.
+        # Heap of group heads for `evict`, valid for one set of scores and keyed at a time just
+        # ahead (see `evict`); stale entries are skipped by stamp, so keeping it current costs one
+        # push per head change.
         self._heap: list[tuple] = []
-        self._heap_now: float | None = None
+        self._heap_until: float | None = None   # the time the heap's keys are taken at
         self._heap_epoch = -1
         self.epoch = 0  # bumped by `scores_changed()`
         # Bumped whenever a block joins the free order or the order is re-sorted; removing a block
@@ -160,6 +163,11 @@ class EvictionIndex:
 
     def release(self, keys: Iterable[Hashable], now: float) -> None:
         """Blocks whose last user finished: they join the tail of their group's free list."""
+        # Free times never go back (a clock that does is held), so along every group's list blocks
+        # were freed in order and their keys only fall: `victims` and `evict` rely on it.
+        if now < self._last_freed_at:
+            now = self._last_freed_at
+        self._last_freed_at = now
         # `_append` and `_mark_free` inlined: this runs once per block of every finished request.
         blocks = self._blocks
         seq = self._seq
@@ -252,12 +260,18 @@ class EvictionIndex:
             c = g.conf
             cm, w = c * g.model, 1.0 - c
             nxt = b.next
-            if not heap:
-                while nxt is not None and len(out) < n:
-                    out.append(nxt.key)
-                    nxt = nxt.next
-                break
-            top_key, top_seq = heap[0][0], heap[0][1]
+            top_key, top_seq = (heap[0][0], heap[0][1]) if heap else (math.inf, 0)
+            if nxt is not None:
+                # Keys only fall along a group's list (see `release`): when its last block beats
+                # the top, all of its blocks do.
+                tail = g.tail
+                age = log(max(now - tail.freed_at, 0.0) + _AGE_FLOOR_S)
+                neg = -age if c <= 0.0 else -(cm + w * age)
+                if neg < top_key or (neg == top_key and tail.seq < top_seq):
+                    while nxt is not None and len(out) < n:
+                        out.append(nxt.key)
+                        nxt = nxt.next
+                    continue
             while nxt is not None and len(out) < n:
                 age = log(max(now - nxt.freed_at, 0.0) + _AGE_FLOOR_S)
                 neg = -age if c <= 0.0 else -(cm + w * age)
@@ -278,22 +292,107 @@ class EvictionIndex:
         return best
 
     def evict(self, n: int, now: float) -> list[Hashable]:
-        """Remove and return the next `n` victims (the same ones `victims` names)."""
-        if self._heap_now != now or self._heap_epoch != self.epoch:
-            self._heap_now = now
+        """Remove and return the next `n` victims (the same ones `victims` names).
+
+        The heap is not rebuilt at every call: its keys are taken at a time `_heap_until` a little
+        ahead, and a key only grows with time, so they bound from above the keys at any `now`
+        before then. `_pop_best` computes exact keys only for the entries those bounds cannot rule
+        out (mostly the heads freed last, whose keys move fastest), and the choice stays exact."""
+        if self._heap_epoch != self.epoch or self._heap_until is None or now > self._heap_until:
             self._heap_epoch = self.epoch
-            heap = self._heap = [self._entry(g, g.head, now) + (g, g.stamp) for g in self._headed]
+            self._heap_until = until = now + _HEAP_HORIZON_S
+            heap = self._heap = [self._entry(g, g.head, until) + (g, g.stamp) for g in self._headed]
             heapq.heapify(heap)
         heap = self._heap
         out: list[Hashable] = []
-        while heap and len(out) < n:
-            entry = heapq.heappop(heap)
-            b, g, stamp = entry[3], entry[4], entry[5]
-            if g.stamp != stamp:
-                continue  # the group's head changed since this entry was pushed
-            out.append(b.key)
-            self.discard(b.key)
+        blocks = self._blocks
+        log = math.log
+        while len(out) < n:
+            b = self._pop_best(now)
+            if b is None:
+                break
+            # Take the group's blocks from its head for as long as they beat every other group's
+            # bound, unlinking each: one heap operation per run, not per block.
+            g = b.group
+            c = g.conf
+            cm, w = c * g.model, 1.0 - c
+            while heap and heap[0][4].stamp != heap[0][5]:
+                heapq.heappop(heap)   # stale: its group's head changed since
+            top_key, top_seq = (heap[0][0], heap[0][1]) if heap else (math.inf, 0)
+            tail = g.tail
+            age = log(max(now - tail.freed_at, 0.0) + _AGE_FLOOR_S)
+            neg = -age if c <= 0.0 else -(cm + w * age)
+            whole = neg < top_key or (neg == top_key and tail.seq < top_seq)   # as in `victims`
+            taken = 0
+            while True:
+                out.append(b.key)
+                del blocks[b.key]
+                prev, nxt = b.gprev, b.gnext   # out of the global free order
+                if prev is None:
+                    self._lru_head = nxt
+                else:
+                    prev.gnext = nxt
+                if nxt is None:
+                    self._lru_tail = prev
+                else:
+                    nxt.gprev = prev
+                b.gprev = b.gnext = None
+                nxt = b.next
+                b.next = None
+                b.free = False
+                if b.backed:
+                    g.n_backed_free -= 1
+                taken += 1
+                if nxt is None or len(out) >= n:
+                    break
+                if not whole:
+                    age = log(max(now - nxt.freed_at, 0.0) + _AGE_FLOOR_S)
+                    neg = -age if c <= 0.0 else -(cm + w * age)
+                    if neg > top_key or (neg == top_key and nxt.seq > top_seq):
+                        break
+                b = nxt
+            g.head = nxt
+            if nxt is None:
+                g.tail = None
+            else:
+                nxt.prev = None
+            g.n_free -= taken
+            g.n_blocks -= taken
+            self.n_free -= taken
+            self._head_changed(g)
         return out
+
+    def _pop_best(self, now: float) -> Block | None:
+        """Pop the heap entry of the group whose head is the next victim at `now` (its exact key is
+        the highest, ties to the block freed first); None when nothing is free."""
+        heap = self._heap
+        log = math.log
+        best: tuple | None = None
+        best_key = best_seq = 0.0
+        passed = []
+        while heap:
+            top = heap[0]
+            g = top[4]
+            if g.stamp != top[5]:
+                heapq.heappop(heap)   # stale
+                continue
+            bound, seq = -top[0], top[1]
+            if best is not None and (bound < best_key or (bound == best_key and seq > best_seq)):
+                break   # nothing left can beat the best
+            heapq.heappop(heap)
+            b = top[3]
+            c = g.conf
+            age = log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S)
+            key = age if c <= 0.0 else c * g.model + (1.0 - c) * age
+            if best is None or key > best_key or (key == best_key and seq < best_seq):
+                if best is not None:
+                    passed.append(best)
+                best, best_key, best_seq = top, key, seq
+            else:
+                passed.append(top)
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        return None if best is None else best[3]
 
     def scores_changed(self) -> None:
         """The scorer rewrote `model`/`conf` of some groups: the next eviction re-sorts."""
@@ -306,8 +405,8 @@ class EvictionIndex:
             self._headed.pop(g, None)
         else:
             self._headed[g] = None
-        if self._heap_now is not None and g.head is not None:
-            heapq.heappush(self._heap, self._entry(g, g.head, self._heap_now) + (g, g.stamp))
+        if self._heap_until is not None and g.head is not None:
+            heapq.heappush(self._heap, self._entry(g, g.head, self._heap_until) + (g, g.stamp))
 
     @staticmethod
     def _entry(g: Group, b: Block, now: float) -> tuple:

@@ -102,7 +102,6 @@ class SurvivalScorer:
         self._last_arrival_at: float | None = None
         self._rows: dict[str, _Row] = {}
         self._scored_at: tuple | None = None
-        self._links: tuple = (None, 1.0)   # (sessions' version, session_links() then)
 
     def note_new_session(self, now: float) -> None:
         if self._last_arrival_at is not None and now > self._last_arrival_at:
@@ -162,16 +161,10 @@ class SurvivalScorer:
         are active but under a tenth of the multi-call sessions used more than one of them
         (sessions are evidently not being linked across agents; the few that are come from agents
         relabelled while their anchors were learned), 1 from a fifth on, or with no evidence."""
-        key = (self.sessions.version, len(self.current_anchor))
-        if self._links[0] == key:
-            return self._links[1]
         share = self.sessions.cross_agent_share()
         if share is None or len(self.current_anchor) < 2:
-            links = 1.0
-        else:
-            links = min(1.0, max(0.0, (share - _UNLINKED_SHARE) / (_LINKED_SHARE - _UNLINKED_SHARE)))
-        self._links = (key, links)
-        return links
+            return 1.0
+        return min(1.0, max(0.0, (share - _UNLINKED_SHARE) / (_LINKED_SHARE - _UNLINKED_SHARE)))
 
     def patience(self) -> tuple[Callable[[str | None], float], float]:
         """(how long a session of an agent may stay idle before it is all but certainly over,

@@ -123,6 +123,8 @@ class SessionTracker:
         # linked across agents (no token ids, no hints), so predictions about contexts are unfounded.
         self.multi_call = 0.0
         self.multi_agent = 0.0
+        self._live_multi = 0   # live sessions with two or more calls ...
+        self._live_mixed = 0   # ... of which linked to two or more agents
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -193,11 +195,13 @@ class SessionTracker:
         previous = s.agent if s.calls else None
         previous_at = s.last_call_at if s.calls else None
         self._move(s, agent)
+        self._count_linked(s, -1)
         if agent is not None:
             s.called.add(agent)
             if evidence != "time":
                 s.linked.add(agent)
         s.calls += 1
+        self._count_linked(s, 1)
         s.in_flight += 1
         s.last_call_at = now
         self._idle.pop(s.sid, None)
@@ -292,15 +296,19 @@ class SessionTracker:
 
     def cross_agent_share(self) -> float | None:
         """Share of multi-call sessions (live ones, and ended ones decayed) that used two or more
-        agents; None while there are too few to tell. O(live sessions): call it now and then."""
-        multi, mixed = self.multi_call, self.multi_agent
-        for s in self._sessions.values():
-            if s.calls >= 2:
-                multi += 1.0
-                mixed += len(s.linked) >= 2
-        return mixed / multi if multi >= _MIN_ENDED else None
+        agents; None while there are too few to tell."""
+        multi = self.multi_call + self._live_multi
+        return (self.multi_agent + self._live_mixed) / multi if multi >= _MIN_ENDED else None
+
+    def _count_linked(self, s: Session, sign: int) -> None:
+        """Add (1) or take back (-1) the session's part in the live counts of `cross_agent_share`."""
+        if s.calls >= 2:
+            self._live_multi += sign
+            if len(s.linked) >= 2:
+                self._live_mixed += sign
 
     def _forget(self, s: Session) -> None:
+        self._count_linked(s, -1)
         if s.calls >= 2:
             self.multi_call = self.multi_call * _ENDED_DECAY + 1.0
             self.multi_agent = self.multi_agent * _ENDED_DECAY + (1.0 if len(s.linked) >= 2 else 0.0)
