@@ -258,8 +258,14 @@ class GpuSteering:
         window = self.policy.cfg.session_window_tokens
         self.policy.finish(request.request_id, now, output_tokens=request.output_token_ids[:window])
         freed = []
+        get = self._where.get
         for key in reversed(t.keys[:t.filed]):   # tail first, the order vLLM frees in
-            blk = self._located(key)
+            where = get(key)
+            if where is None:
+                continue
+            blk = where[0]
+            if blk.block_hash != where[1]:   # evicted since it was filed: `_located` sorts it out
+                blk = self._located(key)
             if blk is not None and blk.ref_cnt == 0:
                 freed.append(key)
         if freed:
@@ -340,17 +346,17 @@ class GpuSteering:
         # Nothing changed in the policy's order since the last placement, and enough of what was
         # placed is still at the head (vLLM evicts from there): keep it.
         placed = self._placed
-        if placed and self._still_valid(now):
-            # vLLM evicts from the head, so what is left of the list starts at the head block.
-            # (A hit may have taken one out of the middle: then one fewer is left, harmlessly.)
-            j = self._placed_at.get(b.block_id, -1)
-            if j >= 0 and placed[j] is b and len(placed) - j >= want:
-                self.stats["steer_kept"] += 1
-                return
-        # vLLM evicted (from the head) some of what was placed last time: tell the policy now, so
-        # its victims below are all still cached.
+        # vLLM evicts from the head, so what is left of the list starts at the head block.
+        # (A hit may have taken one out of the middle: then one fewer is left, harmlessly.)
+        j = self._placed_at.get(b.block_id, -1)
+        left = j >= 0 and placed[j] is b
+        if placed and left and len(placed) - j >= want and self._still_valid(now):
+            self.stats["steer_kept"] += 1
+            return
+        # vLLM evicted (from the head) some of what was placed last time, all of it before the head
+        # block: tell the policy now, so its victims below are all still cached.
         key_at, where_of = self._key_at, self._where
-        for blk in placed:
+        for blk in placed[:j] if left else placed:
             if blk.ref_cnt:
                 key = key_at.get(blk.block_id)
                 where = where_of.get(key)

@@ -78,6 +78,7 @@ class Observation:
 class _Live:
     obs: Observation
     started_at: float
+    context: Group | None = None   # the group its context blocks go to (looked up once)
 
 
 class CacheScoutPolicy:
@@ -187,6 +188,8 @@ class CacheScoutPolicy:
         self.stats["requests"] += 1
         if self.stats["requests"] % 512 == 0:
             self.index.prune_groups()
+            for live in self._live.values():
+                live.context = None   # may have been pruned: look it up again
         self.stats["recognised"] += agent is not None
         return obs
 
@@ -234,6 +237,7 @@ class CacheScoutPolicy:
             return
         n = len(block_keys)
         pre, anc, ctx = self._groups_for(live.obs)
+        live.context = ctx
         pre_end = min(live.obs.fingerprint.preamble_blocks, n) if pre is not None else 0
         anc_end = min(live.obs.fingerprint.anchor_blocks, n) if anc is not None else pre_end
         anc_end = max(anc_end, pre_end)
@@ -257,9 +261,14 @@ class CacheScoutPolicy:
     def extend_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable]) -> None:
         """Blocks the request filled while decoding (its output): filed with its context."""
         live = self._live.get(request_id)
-        group = self._groups_for(live.obs)[2] if live is not None else None
+        group = None
+        if live is not None:
+            group = live.context
+            if group is None:
+                group = live.context = self._groups_for(live.obs)[2]
+        add = self.index.add
         for key in block_keys:
-            self.index.add(key, group)
+            add(key, group)
         self.guard.filled(block_keys)
         self._track_capacity()
         if live is not None and live.obs.agent is not None:

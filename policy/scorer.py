@@ -275,23 +275,28 @@ class SurvivalScorer:
         link = self.session_links()
         anchors = []
         preambles = []
+        session_of = self.sessions.get
         for g in free_groups:
             kind = g.kind
             if kind == "context":
-                s = self.sessions.get(g.session)
-                if s is None:
-                    rate, conf = 0.0, conf_all             # the session is over
-                elif s.agent is None or g.agent is None:
-                    rate, conf = 0.0, 0.0                  # nothing known: LRU
-                else:
-                    got = per_session.get(g.session) or session_view(s)
+                agent = g.agent
+                # Most live sessions were viewed above.
+                got = per_session.get(g.session) if agent is not None else None
+                if got is None:
+                    s = session_of(g.session)
+                    if s is None:
+                        rate, conf = 0.0, conf_all         # the session is over
+                    elif s.agent is None or agent is None:
+                        rate, conf = 0.0, 0.0              # nothing known: LRU
+                    else:
+                        got = session_view(s)
+                if got is not None:
                     t_next, alive, row, nxt = got
-                    p = row.reach.get(g.agent, 0.0)
-                    rate = alive * p / (t_next + row.extra.get(g.agent, 0.0) * step) if p else 0.0
-                    if nxt == g.agent:
-                        rate = max(rate, alive / t_next)
+                    p = row.reach.get(agent, 0.0)
+                    rate = alive * p / (t_next + row.extra.get(agent, 0.0) * step) if p else 0.0
                     conf = row.conf * link
-                    if overrides and overrides.get(g.session) == g.agent:
+                    if nxt == agent:                       # the framework said so
+                        rate = max(rate, alive / t_next)
                         conf = 1.0
             elif kind == "anchor":
                 anchors.append(g)
