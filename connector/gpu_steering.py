@@ -31,6 +31,8 @@ own operations (`popleft_n`, `remove`, `prepend_n`).
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
@@ -41,6 +43,7 @@ from cachescout.policy import CacheScoutPolicy, Hints, block_keys
 _MAX_STALE_ROUNDS = 4   # victim lists re-asked after dropping evicted blocks from the mirror
 _ARRIVAL_DECAY = 0.9    # per step, of the peak of blocks taken by requests arriving between steps
 _PLACE_FACTOR = 2       # victims placed per victim wanted: the list lasts a few steps
+_block_id = operator.attrgetter("block_id")
 
 
 @dataclasses.dataclass(slots=True)
@@ -370,6 +373,13 @@ class GpuSteering:
             victims.clear()
             stale = False
             for key in self.policy.victims(_PLACE_FACTOR * want, now):
+                # `_check`'s common case first (filed, unchanged and free): this runs per victim.
+                where = where_of.get(key)
+                if where is not None:
+                    blk = where[0]
+                    if blk.block_hash is where[1] and not blk.ref_cnt:
+                        victims.append(blk)
+                        continue
                 blk = self._check(key)
                 if blk is None:
                     stale = True
@@ -378,7 +388,7 @@ class GpuSteering:
             if not stale or len(victims) >= _PLACE_FACTOR * want:
                 break
         self._placed = victims
-        self._placed_at = {blk.block_id: i for i, blk in enumerate(victims)}
+        self._placed_at = dict(zip(map(_block_id, victims), itertools.count()))
         self._placed_version = self.policy.index.version
         self._placed_epoch = self.policy.index.epoch
         self._placed_time = now
