@@ -98,3 +98,27 @@ def test_sessions_idle_past_their_patience_are_reported_once_and_reopened_by_a_c
     assert tracker.overdue(5.0, patience, 2.0) == []          # reported once
     again = tracker.assign(6.0, "coder", hint="a")           # it was not over after all
     assert again.session is a.session and not a.session.over
+
+
+def test_cross_agent_share_counts_live_and_ended_sessions():
+    """The share is kept up to date call by call: it must equal a recount over the live sessions
+    plus the decayed tally of the ended ones, through calls, finishes, expiry and the cap."""
+    tracker = SessionTracker(PolicyConfig(session_idle_timeout_s=30.0, max_sessions=25))
+    rng = random.Random(3)
+    now = 0.0
+    checked = 0
+    for _ in range(600):
+        now += rng.random()
+        a = tracker.assign(now, rng.choice(["sup", "coder", "critic"]), hint=rng.randrange(60))
+        tracker.finished(a.session.sid, now + 0.2)
+        tracker.expire(now)
+        live = [s for s in tracker if s.calls >= 2]
+        multi = tracker.multi_call + len(live)
+        mixed = tracker.multi_agent + sum(len(s.linked) >= 2 for s in live)
+        share = tracker.cross_agent_share()
+        if multi < 20:
+            assert share is None
+        else:
+            assert abs(share - mixed / multi) < 1e-9
+            checked += 1
+    assert checked > 500 and 0.0 < tracker.cross_agent_share() < 1.0
