@@ -14,6 +14,10 @@ tags (`lmcache.tag.agent`, part of LMCache's chunk key).
   CPU tier, at most `max_chunks` per request, and only if loading beats recomputing (`worth_it`).
   A full queue drops the request (counted); `cancel()` drops what is queued; Redis errors are
   counted and logged, never raised. Nothing here runs on vLLM's serving path.
+- `bound_store_waits`: LMCache 0.5.6 drops a store at once when its CPU tier has nothing evictable
+  (every chunk pinned by a Redis write still in flight), though the writes often finish within
+  milliseconds; waiting without a bound (its `force_store_wait`) stalls the forward pass as long as
+  Redis stalls. The store path waits up to `store_wait_ms`, then drops (counted).
 
 Importing this module imports LMCache (a few seconds); nothing else in the connector does unless
 the LMCache tier is in use.
@@ -24,6 +28,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
@@ -148,6 +153,45 @@ def cpu_tier_stats() -> Counter:
     for policy in list(_POLICIES):
         total.update(policy.stats)
     return total
+
+
+STORE_STATS: Counter[str] = Counter()   # this process's bounded store waits: "waited", "dropped"
+
+
+def bound_store_waits(engine: Any, wait_s: float, poll_s: float = 0.002) -> bool:
+    """Make `engine`'s store path wait up to `wait_s` for room in the CPU tier before it drops a
+    chunk. Only allocations LMCache makes without its own wait (`busy_loop=False`, the store path)
+    are changed. True if installed by this call (once per engine)."""
+    manager = getattr(engine, "storage_manager", None)
+    if manager is None or getattr(manager, "_cachescout_store_wait_s", None) is not None:
+        return False
+    for name in ("allocate", "batched_allocate"):
+        allocate = getattr(manager, name, None)
+        if allocate is not None:
+            setattr(manager, name, _waiting(allocate, wait_s, poll_s))
+    manager._cachescout_store_wait_s = wait_s
+    return True
+
+
+def _waiting(allocate: Callable[..., Any], wait_s: float, poll_s: float) -> Callable[..., Any]:
+    def allocate_or_wait(*args: Any, busy_loop: bool = True, **kwargs: Any) -> Any:
+        got = allocate(*args, busy_loop=busy_loop, **kwargs)
+        if got is not None or busy_loop or wait_s <= 0:
+            return got
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            time.sleep(poll_s)   # the Redis writes pinning the tier finish on LMCache's own thread
+            got = allocate(*args, busy_loop=False, **kwargs)
+            if got is not None:
+                STORE_STATS["waited"] += 1
+                return got
+        STORE_STATS["dropped"] += 1   # LMCache stores the chunks before this one and stops there
+        if STORE_STATS["dropped"] in (1, 10, 100) or STORE_STATS["dropped"] % 1000 == 0:
+            log.warning("CacheScout: LMCache's CPU tier had no room for %.0f ms (Redis writes in flight); "
+                        "%d stores cut short so far: give the CPU tier more room", 1e3 * wait_s,
+                        STORE_STATS["dropped"])
+        return None
+    return allocate_or_wait
 
 
 def current_engine() -> Any:

@@ -25,9 +25,11 @@ class ConnectorSettings:
     steer_gpu: bool = True            # reorder vLLM's free queue by CacheScout's eviction order
     steer_ahead_blocks: int = 16      # at least this many next victims are put at the queue's head
     steer_ahead_factor: float = 1.5   # ... or this many times the most blocks the next step can allocate
+    store_wait_ms: float = 50.0       # LMCache store path: wait this long for CPU-tier room before dropping
     shared_state: SharedStateSettings | None = None   # learn with the other replicas through Redis
 
-    _LIMITS = {"steer_ahead_blocks": (1, 1_000_000), "steer_ahead_factor": (0, 1_000_000)}
+    _LIMITS = {"steer_ahead_blocks": (1, 1_000_000), "steer_ahead_factor": (0, 1_000_000),
+               "store_wait_ms": (0, 10_000)}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, block_size: int | None = None,
@@ -37,7 +39,7 @@ class ConnectorSettings:
         if extra is not None and not isinstance(extra, Mapping):
             raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
         extra = dict(extra or {})
-        known = {"policy", "steer_gpu", "steer_ahead_blocks", "steer_ahead_factor", "shared_state"}
+        known = {"policy", "steer_gpu", "steer_ahead_blocks", "steer_ahead_factor", "store_wait_ms", "shared_state"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; "

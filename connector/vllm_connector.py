@@ -105,7 +105,9 @@ PROM_COUNTERS = {
     # Worker side (LMCache's CPU tier and CacheScout's prefetcher), summed over workers.
     "cpu_evictions": "LMCache CPU-tier evictions chosen by CacheScout's policy",
     "cpu_steered": "of which differed from LRU's choice",
-    "cpu_no_evictable": "CPU-tier evictions that found every chunk pinned (LMCache then drops the store)",
+    "cpu_no_evictable": "CPU-tier eviction attempts that found every chunk pinned by an unfinished Redis write",
+    "store_waits": "LMCache stores that waited (at most store_wait_ms) for CPU-tier room, then fit",
+    "stores_dropped": "LMCache stores cut short: no CPU-tier room within store_wait_ms",
     "prefetch_submitted": "anchor prefetches requested from the workers",
     "prefetch_chunks_loaded": "chunks prefetched from Redis into the CPU tier",
     "prefetch_skipped_slower": "prefetches skipped: loading would be slower than recomputing",
@@ -116,7 +118,8 @@ PROM_COUNTERS = {
 
 # Worker-side counters: name reported -> (source, its own name).
 _WORKER_COUNTERS = {"cpu_evictions": ("cpu", "evictions"), "cpu_steered": ("cpu", "steered"),
-                    "cpu_no_evictable": ("cpu", "no_evictable"), "prefetch_submitted": ("prefetch", "submitted"),
+                    "cpu_no_evictable": ("cpu", "no_evictable"), "store_waits": ("store", "waited"),
+                    "stores_dropped": ("store", "dropped"), "prefetch_submitted": ("prefetch", "submitted"),
                     "prefetch_chunks_loaded": ("prefetch", "chunks_loaded"),
                     "prefetch_skipped_slower": ("prefetch", "skipped_slower_than_recompute"),
                     "prefetch_errors": ("prefetch", "errors"), "prefetch_used": ("cpu", "prefetch_used"),
@@ -174,6 +177,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
         self._prefetch_sent: set[str] = set()
         self._prefetcher: Any = None
         self._lmcache: Any = None   # lmcache_tier, on workers where LMCache is installed
+        self._store_bounded = False
         if role == KVConnectorRole.WORKER:
             try:
                 from . import lmcache_tier
@@ -331,7 +335,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
         if t - self._reported_at < 1.0:
             return None
         self._reported_at = t
-        sources = {"cpu": self._lmcache.cpu_tier_stats(),
+        sources = {"cpu": self._lmcache.cpu_tier_stats(), "store": self._lmcache.STORE_STATS,
                    "prefetch": self._prefetcher.stats if self._prefetcher is not None else {}}
         delta = self._since_reported({name: sources[src].get(key, 0) for name, (src, key) in _WORKER_COUNTERS.items()})
         return CacheScoutStats(data=delta) if delta else None
@@ -356,6 +360,11 @@ class CacheScoutConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         if self._lmcache is None:
             return
+        if not self._store_bounded:   # LMCache's connector builds its engine after ours: bind once it exists
+            engine = self._lmcache.current_engine()
+            if engine is not None:
+                self._lmcache.bound_store_waits(engine, self.settings.store_wait_ms / 1e3)
+                self._store_bounded = True
         scores = getattr(connector_metadata, "agent_scores", None)
         if scores is not None:
             self._lmcache.RANKING.update(scores)

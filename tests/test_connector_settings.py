@@ -15,9 +15,9 @@ def test_defaults_take_vllm_block_size():
 
 def test_values_are_read():
     s = ConnectorSettings.from_extra_config(
-        {"steer_gpu": False, "steer_ahead_blocks": 8, "steer_ahead_factor": 0.5,
+        {"steer_gpu": False, "steer_ahead_blocks": 8, "steer_ahead_factor": 0.5, "store_wait_ms": 0,
          "policy": {"max_agents": 100}}, block_size=16)
-    assert (s.steer_gpu, s.steer_ahead_blocks, s.steer_ahead_factor) == (False, 8, 0.5)
+    assert (s.steer_gpu, s.steer_ahead_blocks, s.steer_ahead_factor, s.store_wait_ms) == (False, 8, 0.5, 0)
     assert s.policy.max_agents == 100
 
 
@@ -27,6 +27,8 @@ def test_values_are_read():
     ({"steer_ahead_blocks": -4}, "steer_ahead_blocks"),        # negative size
     ({"steer_ahead_blocks": 2.5}, "steer_ahead_blocks"),       # not an integer
     ({"steer_ahead_factor": float("nan")}, "steer_ahead_factor"),
+    ({"store_wait_ms": -1}, "store_wait_ms"),                  # negative wait
+    ({"store_wait_ms": "50"}, "store_wait_ms"),
     ({"policy": {"no_such_setting": 1}}, "no_such_setting"),   # unknown policy setting
     ({"policy": {"block_size": 64}}, "block_size"),            # disagrees with vLLM's
     ({"policy": []}, "policy"),

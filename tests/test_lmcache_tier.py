@@ -8,6 +8,7 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -264,6 +265,7 @@ def test_worker_connector_prefetches_what_the_scheduler_predicts(redis_server, a
     try:
         worker.bind_connector_metadata(CacheScoutMetadata({"coder": 0.9}, [(coder.tokens.tolist(), coder.configs)]))
         assert worker._prefetcher is not None and worker._prefetcher.wait_idle(20)
+        assert engine.storage_manager._cachescout_store_wait_s == 0.05   # store_wait_ms's default, bound
         stats = worker.get_kv_connector_stats().data     # what vLLM adds to the scheduler's counts
         assert stats["prefetch_submitted"] == 1
         assert stats["cpu_evictions"] >= 20               # storing the three agents filled the CPU tier
@@ -279,6 +281,72 @@ def test_worker_connector_prefetches_what_the_scheduler_predicts(redis_server, a
     finally:
         lmcache_tier.RANKING.update({})
         worker.shutdown()
+
+
+def _store_burst(engine, agents):
+    """Store one agent after another without waiting for their Redis writes (a burst)."""
+    for a in agents:
+        engine.store(a.tokens, kvcaches=a.kv, request_configs=a.configs)
+
+
+def _fill_with_pending_writes(engine, redis_server, agents):
+    """Every chunk of the 80-chunk CPU tier pinned by a Redis write that has not finished: coder
+    is written, then Redis pauses and critic + searcher (80 chunks) are stored."""
+    coder, critic, searcher = agents
+    store_in_order(engine, [coder])
+    redis_server.pause()
+    _store_burst(engine, [critic, searcher])
+
+
+def test_lmcache_alone_cuts_a_store_short_while_writes_are_pending(redis_server, agents):
+    """The defect the next tests work around: LMCache drops the store at once."""
+    engine = build_engine(redis_server.url, "cachescout")
+    try:
+        _fill_with_pending_writes(engine, redis_server, agents)
+        late = Agent("math", 20, 4)
+        engine.store(late.tokens, kvcaches=late.kv, request_configs=late.configs)
+        assert in_cpu(engine, late) == 0
+    finally:
+        redis_server.resume()
+
+
+def test_a_store_waits_for_pending_redis_writes_instead_of_dropping(redis_server, agents):
+    engine = build_engine(redis_server.url, "cachescout")
+    assert lmcache_tier.bound_store_waits(engine, 3.0)
+    assert not lmcache_tier.bound_store_waits(engine, 3.0)   # once per engine
+    before = dict(lmcache_tier.STORE_STATS)
+    resume = threading.Timer(0.3, redis_server.resume)       # the writes finish 0.3 s from now
+    try:
+        _fill_with_pending_writes(engine, redis_server, agents)
+        resume.start()
+        late = Agent("math", 20, 4)
+        engine.store(late.tokens, kvcaches=late.kv, request_configs=late.configs)
+        assert in_cpu(engine, late) == 20                     # every chunk kept, none dropped
+        assert lmcache_tier.STORE_STATS["waited"] > before.get("waited", 0)
+        assert lmcache_tier.STORE_STATS["dropped"] == before.get("dropped", 0)
+    finally:
+        resume.join()
+        redis_server.resume()
+    out = torch.zeros_like(late.kv)
+    mask = engine.retrieve(late.tokens, kvcaches=out, request_configs=late.configs)
+    assert int(mask.sum()) == 20 * CHUNK and torch.equal(out, late.kv)
+
+
+def test_a_stalled_redis_delays_a_store_by_the_bound_only(redis_server, agents):
+    """Redis stops answering with every CPU chunk pinned by its writes: the store gives up after
+    the bound (counted), where LMCache's own wait would last as long as Redis's timeout."""
+    engine = build_engine(redis_server.url, "cachescout")
+    lmcache_tier.bound_store_waits(engine, 0.05)
+    before = lmcache_tier.STORE_STATS["dropped"]
+    try:
+        _fill_with_pending_writes(engine, redis_server, agents)
+        late = Agent("math", 20, 4)
+        t0 = time.monotonic()
+        engine.store(late.tokens, kvcaches=late.kv, request_configs=late.configs)
+        assert time.monotonic() - t0 < 1.0
+        assert lmcache_tier.STORE_STATS["dropped"] > before and in_cpu(engine, late) == 0
+    finally:
+        redis_server.resume()
 
 
 def test_a_cpu_tier_with_every_chunk_pinned_is_counted():
