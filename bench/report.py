@@ -148,8 +148,8 @@ def outro(everything: dict) -> str:
   both policies on every workload (vLLM allocates a request in the step that first shows it to the
   connector, so a few evictions happen before the policy has seen it). The connector's own cost is
   {_span([100 * o for o in overhead], '.1f')}% of a step on this 2-core machine (target: under 2%; CPU
-  time of the scheduler's thread, which other processes on the machine do not inflate as they do
-  wall time): the per-request bookkeeping (agent and session inference,
+  time of the scheduler's thread, steadier than wall time, though a slower machine still raises it,
+  vLLM's own scheduler time alike): the per-request bookkeeping (agent and session inference,
   the mirror of vLLM's blocks, releases) and the rescoring run on the scheduler's thread. That is the
   cost with lock-step scheduling; vLLM 0.33 schedules asynchronously by default (the next step is
   scheduled while the GPU runs the current one), where the connector adds nothing as long as
