@@ -24,6 +24,14 @@ _HEAP_HORIZON_S = 0.1   # `evict`'s heap keys serve as bounds this long (scorers
 _push = itertools.count()
 
 
+def _key(g: Group, b: Block, now: float) -> float:
+    """Block `b`'s eviction key at `now` (higher goes first). The loops that run once per block
+    inline it."""
+    c = g.conf
+    age = math.log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S)
+    return age if c <= 0.0 else c * g.model + (1.0 - c) * age
+
+
 class Block:
     """One cached block known to the index. Linked into its group's free list while free."""
 
@@ -265,8 +273,7 @@ class EvictionIndex:
                 # Keys only fall along a group's list (see `release`): when its last block beats
                 # the top, all of its blocks do.
                 tail = g.tail
-                age = log(max(now - tail.freed_at, 0.0) + _AGE_FLOOR_S)
-                neg = -age if c <= 0.0 else -(cm + w * age)
+                neg = -_key(g, tail, now)
                 if neg < top_key or (neg == top_key and tail.seq < top_seq):
                     while nxt is not None and len(out) < n:
                         out.append(nxt.key)
@@ -320,8 +327,7 @@ class EvictionIndex:
                 heapq.heappop(heap)   # stale: its group's head changed since
             top_key, top_seq = (heap[0][0], heap[0][1]) if heap else (math.inf, 0)
             tail = g.tail
-            age = log(max(now - tail.freed_at, 0.0) + _AGE_FLOOR_S)
-            neg = -age if c <= 0.0 else -(cm + w * age)
+            neg = -_key(g, tail, now)
             whole = neg < top_key or (neg == top_key and tail.seq < top_seq)   # as in `victims`
             taken = 0
             while True:
@@ -366,7 +372,6 @@ class EvictionIndex:
         """Pop the heap entry of the group whose head is the next victim at `now` (its exact key is
         the highest, ties to the block freed first); None when nothing is free."""
         heap = self._heap
-        log = math.log
         best: tuple | None = None
         best_key = best_seq = 0.0
         passed = []
@@ -380,10 +385,7 @@ class EvictionIndex:
             if best is not None and (bound < best_key or (bound == best_key and seq > best_seq)):
                 break   # nothing left can beat the best
             heapq.heappop(heap)
-            b = top[3]
-            c = g.conf
-            age = log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S)
-            key = age if c <= 0.0 else c * g.model + (1.0 - c) * age
+            key = _key(g, top[3], now)
             if best is None or key > best_key or (key == best_key and seq < best_seq):
                 if best is not None:
                     passed.append(best)
@@ -424,12 +426,9 @@ class EvictionIndex:
 
     @staticmethod
     def _entry(g: Group, b: Block, now: float) -> tuple:
-        c = g.conf
-        age_term = math.log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S)
-        key = age_term if c <= 0.0 else c * g.model + (1.0 - c) * age_term
         # heapq pops the smallest: negate so the highest key (farthest next use) comes first;
         # ties go to the block freed first, as in LRU; the push number keeps entries comparable.
-        return (-key, b.seq, next(_push), b)
+        return (-_key(g, b, now), b.seq, next(_push), b)
 
     # -- linked-list plumbing (O(1), no allocation) --------------------------------------------
     def _link_sorted(self, b: Block) -> None:
