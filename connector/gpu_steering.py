@@ -261,14 +261,8 @@ class GpuSteering:
         window = self.policy.cfg.session_window_tokens
         self.policy.finish(request.request_id, now, output_tokens=request.output_token_ids[:window])
         freed = []
-        get = self._where.get
         for key in reversed(t.keys[:t.filed]):   # tail first, the order vLLM frees in
-            where = get(key)
-            if where is None:
-                continue
-            blk = where[0]
-            if blk.block_hash != where[1]:   # evicted since it was filed: `_located` sorts it out
-                blk = self._located(key)
+            blk = self._located(key)
             if blk is not None and blk.ref_cnt == 0:
                 freed.append(key)
         if freed:
@@ -373,13 +367,6 @@ class GpuSteering:
             victims.clear()
             stale = False
             for key in self.policy.victims(_PLACE_FACTOR * want, now):
-                # `_check`'s common case first (filed, unchanged and free): this runs per victim.
-                where = where_of.get(key)
-                if where is not None:
-                    blk = where[0]
-                    if blk.block_hash is where[1] and not blk.ref_cnt:
-                        victims.append(blk)
-                        continue
                 blk = self._check(key)
                 if blk is None:
                     stale = True

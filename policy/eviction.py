@@ -254,7 +254,7 @@ class EvictionIndex:
         to the slow drift of blocks' ages (a cache may keep the answer until the version moves)."""
         if n <= 0 or self.n_free == 0:
             return []
-        heap = self._head_entries(now, tagged=False)
+        heap = [self._entry(g, g.head, now) for g in self._headed]
         heapq.heapify(heap)
         out: list[Hashable] = []
         log = math.log
@@ -308,7 +308,7 @@ class EvictionIndex:
         if self._heap_epoch != self.epoch or self._heap_until is None or now > self._heap_until:
             self._heap_epoch = self.epoch
             self._heap_until = until = now + _HEAP_HORIZON_S
-            heap = self._heap = self._head_entries(until, tagged=True)
+            heap = self._heap = [self._entry(g, g.head, until) + (g, g.stamp) for g in self._headed]
             heapq.heapify(heap)
         heap = self._heap
         out: list[Hashable] = []
@@ -333,16 +333,7 @@ class EvictionIndex:
             while True:
                 out.append(b.key)
                 del blocks[b.key]
-                prev, nxt = b.gprev, b.gnext   # out of the global free order
-                if prev is None:
-                    self._lru_head = nxt
-                else:
-                    prev.gnext = nxt
-                if nxt is None:
-                    self._lru_tail = prev
-                else:
-                    nxt.gprev = prev
-                b.gprev = b.gnext = None
+                self._global_unlink(b)
                 nxt = b.next
                 b.next = None
                 b.free = False
@@ -409,20 +400,6 @@ class EvictionIndex:
             self._headed[g] = None
         if self._heap_until is not None and g.head is not None:
             heapq.heappush(self._heap, self._entry(g, g.head, self._heap_until) + (g, g.stamp))
-
-    def _head_entries(self, at: float, tagged: bool) -> list[tuple]:
-        """`_entry` of every group's head at time `at` (inlined: this runs over all free groups at
-        every rescoring); `tagged` adds the group and its stamp, as `evict`'s heap keeps them."""
-        log = math.log
-        push = _push
-        out = []
-        for g in self._headed:
-            b = g.head
-            c = g.conf
-            age = log(max(at - b.freed_at, 0.0) + _AGE_FLOOR_S)
-            neg = -age if c <= 0.0 else -(c * g.model + (1.0 - c) * age)
-            out.append((neg, b.seq, next(push), b, g, g.stamp) if tagged else (neg, b.seq, next(push), b))
-        return out
 
     @staticmethod
     def _entry(g: Group, b: Block, now: float) -> tuple:
