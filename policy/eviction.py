@@ -254,16 +254,16 @@ class EvictionIndex:
         to the slow drift of blocks' ages (a cache may keep the answer until the version moves)."""
         if n <= 0 or self.n_free == 0:
             return []
-        heap = [self._entry(g, g.head, now) for g in self._headed]
+        heap = self._head_entries(now)
         heapq.heapify(heap)
         out: list[Hashable] = []
         log = math.log
         while heap and len(out) < n:
-            _, _, _, b = heapq.heappop(heap)
+            b = heapq.heappop(heap)[3]
             out.append(b.key)
             # Take the group's next blocks for as long as they still beat every other group's head
             # (a whole group often goes before the next: one heap operation instead of one each).
-            # The key is `_entry`'s, inlined: this loop runs once per victim.
+            # The key is `_key`'s, inlined: this loop runs once per victim.
             g = b.group
             c = g.conf
             cm, w = c * g.model, 1.0 - c
@@ -293,7 +293,7 @@ class EvictionIndex:
         """The group the next victim would come from (None when nothing is free). O(free groups)."""
         best, best_key = None, None
         for g in self._headed:
-            key = -self._entry(g, g.head, now)[0]
+            key = _key(g, g.head, now)
             if best_key is None or key > best_key:
                 best, best_key = g, key
         return best
@@ -308,7 +308,7 @@ class EvictionIndex:
         if self._heap_epoch != self.epoch or self._heap_until is None or now > self._heap_until:
             self._heap_epoch = self.epoch
             self._heap_until = until = now + _HEAP_HORIZON_S
-            heap = self._heap = [self._entry(g, g.head, until) + (g, g.stamp) for g in self._headed]
+            heap = self._heap = self._head_entries(until)
             heapq.heapify(heap)
         heap = self._heap
         out: list[Hashable] = []
@@ -399,13 +399,22 @@ class EvictionIndex:
         else:
             self._headed[g] = None
         if self._heap_until is not None and g.head is not None:
-            heapq.heappush(self._heap, self._entry(g, g.head, self._heap_until) + (g, g.stamp))
+            b = g.head
+            heapq.heappush(self._heap, (-_key(g, b, self._heap_until), b.seq, next(_push), b, g, g.stamp))
 
-    @staticmethod
-    def _entry(g: Group, b: Block, now: float) -> tuple:
-        # heapq pops the smallest: negate so the highest key (farthest next use) comes first;
-        # ties go to the block freed first, as in LRU; the push number keeps entries comparable.
-        return (-_key(g, b, now), b.seq, next(_push), b)
+    def _head_entries(self, now: float) -> list[tuple]:
+        """Heap entries of every group's head at `now`: (-key, seq, push number, head, group, the
+        group's stamp). heapq pops the smallest: the key is negated so the highest (farthest next
+        use) comes first; ties go to the block freed first, as in LRU; the push number keeps
+        entries comparable. `_key` inlined: this runs over every group with a free block."""
+        log = math.log
+        out = []
+        for g in self._headed:
+            b = g.head
+            c = g.conf
+            age = log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S)
+            out.append((-age if c <= 0.0 else -(c * g.model + (1.0 - c) * age), b.seq, next(_push), b, g, g.stamp))
+        return out
 
     # -- linked-list plumbing (O(1), no allocation) --------------------------------------------
     def _link_sorted(self, b: Block) -> None:
