@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
@@ -64,12 +65,15 @@ def block_key(h: object) -> int:
     return v - (1 << 64) if v & _SIGN64 else v
 
 
+_leading_int64 = struct.Struct(">q").unpack_from   # the first 8 bytes of a buffer, signed big-endian
+
+
 def block_keys(hashes: Sequence[object]) -> list[int]:
-    """`block_key` of each hash; vLLM's bytes in one pass."""
-    if hashes and all(type(h) is bytes for h in hashes):
-        from_bytes = int.from_bytes
-        return [from_bytes(h[:8], "big", signed=True) for h in hashes]
-    return [block_key(h) for h in hashes]
+    """`block_key` of each hash; vLLM's bytes (32 each) in one pass."""
+    try:
+        return [_leading_int64(h)[0] for h in hashes]
+    except (TypeError, struct.error):   # ints, or buffers shorter than 8 bytes
+        return [block_key(h) for h in hashes]
 
 
 class _Node:

@@ -4,7 +4,7 @@ from collections import Counter, defaultdict
 import pytest
 from helpers import anchor, chain, task
 
-from cachescout.policy import AgentFingerprinter, PolicyConfig, block_key
+from cachescout.policy import AgentFingerprinter, PolicyConfig, block_key, block_keys
 
 
 def run(anchors: dict, calls: int, seed: int = 0, sessions: int = 20, shared_tasks: int = 0, cfg=None,
@@ -132,6 +132,16 @@ def test_block_key_accepts_vllm_bytes_and_ints():
     assert block_key(b"\x00" * 7 + b"\x09" + b"rest") == 9
     with pytest.raises(TypeError):
         block_key("abc")
+
+
+def test_block_keys_equal_block_key_of_each():
+    rng = random.Random(3)
+    vllm_hashes = [rng.randbytes(32) for _ in range(50)]
+    mixed = [5, b"\xff" * 8, bytearray(b"\x00" * 7 + b"\x02"), b"\x01\x02", -3, 2**70]
+    for hashes in (vllm_hashes, mixed, [b"short"], []):
+        assert block_keys(hashes) == [block_key(h) for h in hashes]
+    with pytest.raises(TypeError):
+        block_keys([b"\x00" * 32, "abc"])
 
 
 def test_many_agents_under_one_header_are_told_apart():
