@@ -71,7 +71,6 @@ class GpuSteering:
         self.ahead_factor = ahead_factor
         self.budget_tokens = budget_tokens
         self._arrival_blocks = 0.0                           # decayed peak of blocks arrivals took in a step
-        self._waiting_blocks = 0                             # prompt blocks of requests not yet allocated
         self.clock = clock
         self.pool: Any = None
         self._cached: Any = None
@@ -83,7 +82,7 @@ class GpuSteering:
         self._running: dict[str, _Tracked] = {}
         self._finished: list[Any] = []                       # requests that ended since the last step
         self._hit_tokens: dict[str, int] = {}
-        self._keys: dict[str, list] = {}                     # block keys of requests not yet allocated
+        self._keys: dict[str, list] = {}                     # block keys of requests not yet allocated (FCFS)
         self._placed: list[Any] = []              # the victims last put at the head, in order
         self._placed_at: dict[int, int] = {}      # their block_id -> position
         self._placed_version = -1                 # the policy index's version when placed
@@ -141,7 +140,6 @@ class GpuSteering:
             if bad:
                 self.stats["bad_hints"] += len(bad)
             keys = keys_of[request.request_id] = block_keys(request.block_hashes)
-            self._waiting_blocks += len(keys) + 1
             obs = policy.observe(request.request_id, keys, tokens=request.prompt_token_ids, hints=hints, now=now)
             self._note_anchor(request, obs)
         self._new.clear()
@@ -150,8 +148,6 @@ class GpuSteering:
             keys = keys_of.pop(rid, None)
             if keys is None:
                 keys = block_keys(t.request.block_hashes)
-            else:
-                self._waiting_blocks -= len(keys) + 1
             t.keys = keys
             if rid in arrived_now:
                 unplanned += len(keys) + 1 - t.local_hit_tokens // policy.cfg.block_size
@@ -164,15 +160,19 @@ class GpuSteering:
         for request in self._finished:
             rid = request.request_id
             self._hit_tokens.pop(rid, None)
-            keys = self._keys.pop(rid, None)
-            if keys is not None:   # finished (aborted) before it was ever allocated
-                self._waiting_blocks -= len(keys) + 1
+            self._keys.pop(rid, None)   # finished (aborted) before it was ever allocated
             self._release(self._running.pop(rid, None) or _Tracked(request), now)
         self._finished.clear()
         # The next step allocates at most: the prompt blocks still to compute (of running and
-        # waiting requests) up to the step's token budget, and one per running decode opening a block.
+        # waiting requests, past what is cached of them) up to the step's token budget, and one per
+        # running decode opening a block.
         bs = policy.cfg.block_size
-        prefill = self._waiting_blocks
+        budget = self.budget_tokens // bs + 1
+        prefill = 0
+        for keys in keys_of.values():   # in arrival order, as vLLM admits them
+            prefill += len(keys) + 1 - self._cached_prefix(keys)
+            if prefill >= budget:
+                break
         decode = 0
         for t in self._running.values():
             r = t.request
@@ -184,10 +184,24 @@ class GpuSteering:
                 prefill += left // bs + 1
             elif computed % bs <= 1 or bs == 1:
                 decode += 1   # its next token or the one after opens a block (one in `bs` do)
-        budget = self.budget_tokens // bs + 1
         upcoming = min(prefill + int(self._arrival_blocks), budget) + decode
         if self.steer:
             self._steer(max(self.ahead_blocks, int(self.ahead_factor * upcoming)), now)
+
+    def _cached_prefix(self, keys: list) -> int:
+        """How many leading blocks of a waiting request the mirror holds (a binary search: vLLM
+        frees a request's blocks tail first, so a prompt's cached blocks are nearly always a
+        prefix; an estimate either way, for how much room to prepare)."""
+        where_of = self._where
+        lo, hi = 0, len(keys)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            where = where_of.get(keys[mid])
+            if where is not None and where[0].block_hash == where[1]:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
 
     def _note_anchor(self, request: Any, obs: Any) -> None:
         """Remember each agent's anchor tokens (and LMCache tags), for prefetching it on workers."""
