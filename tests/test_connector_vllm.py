@@ -121,6 +121,32 @@ def test_hints_from_kv_transfer_params():
     assert "coder" in policy.learner.agents()
 
 
+def test_room_for_waiting_requests_counts_only_their_uncached_blocks():
+    """The steering prepares room for a waiting request's blocks past its prefix hit: its count of
+    cached leading blocks matches vLLM's own prefix-cache lookup."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from cachescout.policy import block_keys
+
+    sched = build_scheduler(256, connector={})
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    sp = SamplingParams(max_tokens=1)
+    sched.add_request(Request("first", list(range(100, 164)), sp, None, block_hasher=hasher))
+    sched.schedule()   # allocates and caches its 4 full blocks; the connector files them
+    steering = sched.connector.steering
+    prompts = {"shares 3": list(range(100, 148)) + list(range(900, 932)), "shares 0": list(range(500, 580)),
+               "repeats": list(range(100, 164)) + [7]}
+    for name, tokens in prompts.items():
+        req = Request(name, tokens, sp, None, block_hasher=hasher)
+        hit_tokens = sched.kv_cache_manager.get_computed_blocks(req)[1]
+        assert steering._cached_prefix(block_keys(req.block_hashes)) == hit_tokens // 16, name
+    assert hit_tokens == 64
+
+
 @pytest.mark.parametrize("extra, field", [
     ({"bogus": 1}, "bogus"),
     ({"steer_ahead_blocks": -1}, "steer_ahead_blocks"),
