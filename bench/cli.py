@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="p99 TTFT budget for the load sustained (default 1000)")
     b.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
                    help="workloads replayed in parallel processes (default: the CPU count, at most 4)")
+    b.add_argument("--fresh-process", action="store_true",
+                   help="replay each workload in a new Python process, one at a time (for CPU-time figures "
+                        "such as the connector's cost per step; overrides --jobs)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     c = sub.add_parser("config", help="print the vLLM and LMCache configuration that turns CacheScout on",
                        description="Print vLLM's --kv-transfer-config for CacheScoutConnector (with LMCache's "
@@ -215,7 +218,8 @@ def _bench(args: argparse.Namespace) -> int:
                         redis_blocks=args.redis_blocks, cpu_ratio=args.cpu_ratio,
                         redis_ratio=args.redis_ratio, cost_profile=args.cost_profile,
                         sweeps=not (args.no_sweeps or vllm), engine=args.engine, ttft_budget_ms=args.ttft_budget_ms,
-                        plots=None if args.no_sweeps or vllm else args.plots, jobs=max(1, args.jobs))
+                        plots=None if args.no_sweeps or vllm else args.plots, jobs=max(1, args.jobs),
+                        fresh_process=args.fresh_process)
     progress = None if args.quiet else _progress_line
     report = run(opts, progress)
     if not args.quiet:

@@ -47,11 +47,13 @@ SCENARIOS = (
      "`BlockPool` (CPU, hand-made model outputs, the same cost model's clock), without and with "
      "`CacheScoutConnector` loaded through `kv_transfer_config`; GPU tier only. `hit fast` is the fast "
      "replay's figure for the same calls and cache. `connector/step` is CacheScout's own time per "
-     "scheduler step (CPU time of the scheduler's thread on this machine, one workload at a time); "
+     "scheduler step (CPU time of the scheduler's thread on this machine, each workload alone in a new "
+     "process, as in a vLLM server); "
      "`of step time` divides it by "
      "the step time without it (the cost model's GPU step plus vLLM's scheduler CPU time), taking the "
      "larger of the share of the `lru` run's steps and of this run's own.",
-     dict(engine="vllm", policies=("lru", "cachescout"), sweeps=False, jobs=1), "--engine vllm --jobs 1"),
+     dict(engine="vllm", policies=("lru", "cachescout"), sweeps=False, fresh_process=True),
+     "--engine vllm --fresh-process"),
     ("vllm-tiers", "On vLLM's own scheduler, with LMCache's tiers modelled",
      "As above, with LMCache's CPU tier (half the GPU cache) and Redis tier (the GPU cache's size) modelled "
      "by a benchmark connector beside ours in vLLM's `MultiConnector` (bench/tier_connector.py: it answers "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import multiprocessing
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -44,6 +45,7 @@ class BenchOptions:
     ttft_budget_ms: float = 1000.0      # p99 TTFT budget for "load sustained"
     plots: str | None = None            # write the PNG here
     jobs: int = 1                       # workloads replayed in parallel processes
+    fresh_process: bool = False         # each workload in a new interpreter, one at a time (clean timings)
     trace: str | None = None            # replay this trace file instead of the built-in workloads
     trace_block_size: int = 512         # block size of trace records that do not state theirs
     strict_trace: bool = False          # reject a trace with a malformed line (else skip it)
@@ -282,7 +284,19 @@ def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
         reports.append(run_trace(opts, progress))
         print(format_table(reports[-1]) + "\n", file=out, flush=True)
     families = [] if opts.trace else list(opts.families)
-    if opts.jobs > 1 and len(families) > 1:
+    if opts.fresh_process:
+        # A CPU-time measurement (the connector's cost per step) should see what a vLLM server's
+        # process holds, not the heap this process built for earlier workloads: a new interpreter
+        # per workload (spawned, so nothing is inherited), one after the other.
+        spawn = multiprocessing.get_context("spawn")
+        for i, family in enumerate(families):
+            if progress:
+                progress(f"{family}: running in a fresh process ({i}/{len(families)} workloads done)")
+            with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
+                report = pool.submit(run_workload, family, opts, None).result()
+            reports.append(report)
+            print(format_table(report) + "\n", file=out, flush=True)
+    elif opts.jobs > 1 and len(families) > 1:
         # Workloads are independent and every replay is deterministic: run them side by side.
         with concurrent.futures.ProcessPoolExecutor(max_workers=min(opts.jobs, len(families))) as pool:
             futures = [pool.submit(run_workload, family, opts, None) for family in families]

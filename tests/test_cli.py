@@ -22,6 +22,25 @@ def test_bench_writes_results_and_plots(tmp_path, capsys):
     assert "gaia: 30 sessions" in capsys.readouterr().out
 
 
+def test_fresh_process_replays_each_workload_in_a_new_interpreter(tmp_path, monkeypatch):
+    """--fresh-process: every workload runs in a spawned interpreter (so a CPU-time figure does not
+    carry this process's heap): a change made to this process cannot reach the replays."""
+    import cachescout.bench.run as bench_run
+
+    def poisoned(*args, **kwargs):
+        raise AssertionError("generated in the parent process")
+
+    monkeypatch.setattr(bench_run, "generate", poisoned)
+    args = ["bench", "--workloads", "gsm8k,gaia", "--sessions", "12", "--gpu-blocks", "900", "--policies", "lru",
+            "--no-sweeps", "--quiet", "--json"]
+    with pytest.raises(AssertionError, match="parent process"):
+        main(args + [str(tmp_path / "in.json"), "--jobs", "1"])
+    assert main(args + [str(tmp_path / "fresh.json"), "--fresh-process"]) == 0
+    report = json.loads((tmp_path / "fresh.json").read_text())
+    assert [w["workload"] for w in report["workloads"]] == ["gsm8k", "gaia"]
+    assert all(w["results"][0]["token_hit_rate"] > 0 for w in report["workloads"])
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--policies", "lru,belady"], "unknown policy 'belady'"),
     (["--workloads", "chat"], "unknown workload 'chat'"),
