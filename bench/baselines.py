@@ -132,6 +132,7 @@ class KVFlowPolicy(ReplayPolicy):
         self.index = EvictionIndex()
         self.current: dict[str, str] = {}        # live session -> agent of its latest call
         self._dirty = True
+        self._rescores = 0
         self._planned_at = -1.0
         self._agent_of: dict[Hashable, str] = {}
 
@@ -167,13 +168,25 @@ class KVFlowPolicy(ReplayPolicy):
             self._dirty = True
 
     def admitted(self, req: Request, keys: Sequence[Hashable], num_cached: int, now: float) -> None:
-        for i, key in enumerate(keys):
-            self.index.add(key, self._group(req, i))
+        # The anchor's blocks, then the context's: two groups, looked up once each.
+        split = min(len(self.anchor.get(req.agent, ())), len(keys))
+        add = self.index.add
+        if split:
+            group = self._group(req, 0)
+            for key in keys[:split]:
+                add(key, group)
+        if split < len(keys):
+            group = self._group(req, split)
+            for key in keys[split:]:
+                add(key, group)
         self.index.acquire(keys[:num_cached])
 
     def cached(self, req: Request, keys: Sequence[Hashable], now: float) -> None:
+        group = self._group(req, 1 << 30)
+        if not group.n_blocks:
+            self._dirty = True   # new: scored before it is next evicted from (see `_rescore`)
         for key in keys:
-            self.index.add(key, self._group(req, 1 << 30))
+            self.index.add(key, group)
 
     def reused(self, keys: Sequence[Hashable], now: float) -> None:
         self.index.acquire(keys)
@@ -182,12 +195,19 @@ class KVFlowPolicy(ReplayPolicy):
         self.index.release(keys, now)
 
     def prefetched(self, keys: Sequence[Hashable], now: float) -> None:
+        self._dirty = True   # an anchor group may be new (see `_rescore`)
         for key in keys:
             agent = self._agent_of.pop(key, None)
             self.index.add(key, self.index.group(("anchor", agent), "anchor", agent=agent) if agent else None)
         self.index.release(keys, now)
 
     def _rescore(self) -> None:
+        # Groups left without blocks (finished sessions' contexts) would be scored for nothing:
+        # dropped now and then (one that comes back is created afresh, and scored before it is
+        # next evicted from: whatever creates one sets `_dirty`).
+        self._rescores += 1
+        if self._rescores % 64 == 0:
+            self.index.prune_groups()
         anchor_steps: dict[str, int] = {}
         for agent in self.current.values():
             for b, k in self.steps.get(agent, {}).items():

@@ -56,11 +56,12 @@ class OraclePolicy(ReplayPolicy):
 
     def arrived(self, req: Request, now: float) -> None:
         # This call's uses are happening now: each of its blocks' next use moves on.
+        uses, free = self._uses, self._free
         for key in req.hashes:
-            lst = self._uses.get(key)
+            lst = uses.get(key)
             if lst:
                 lst.pop()
-                if key in self._free:
+                if key in free:
                     self._push(key)
 
     def reused(self, keys: Sequence[Hashable], now: float) -> None:
@@ -68,9 +69,14 @@ class OraclePolicy(ReplayPolicy):
             self._free.discard(k)
 
     def freed(self, keys: Sequence[Hashable], now: float) -> None:
+        # `_push` inlined: this runs once per block of every finished call.
+        self._free.update(keys)
+        uses, stamps, tick, heap, push = self._uses, self._stamp, self._tick, self._heap, heapq.heappush
         for k in keys:
-            self._free.add(k)
-            self._push(k)
+            lst = uses.get(k)
+            t, depth = lst[-1] if lst else (_NEVER, 1 << 30)
+            stamps[k] = stamp = next(tick)
+            push(heap, (-t, -depth, stamp, k))
 
     def evict(self, n: int, now: float) -> list[Hashable]:
         out = []
