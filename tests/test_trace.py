@@ -35,10 +35,12 @@ def test_exported_trace_replays_exactly_like_the_workload(tmp_path):
 # here. When a change is intended, print the new figures and re-pin them in the same commit.
 GOLDEN_FIGURES = {
     900: {"lru": 0.5878, "cachescout": 0.627, "cachescout-hints": 0.6334, "cachescout-hashonly": 0.59,
-          "oracle": 0.6958},
+          "oracle": 0.6958, "kvflow": 0.6104, "continuum": 0.5831},
     1400: {"lru": 0.7307, "cachescout": 0.78, "cachescout-hints": 0.7799, "cachescout-hashonly": 0.7221,
-           "oracle": 0.8235},
+           "oracle": 0.8235, "kvflow": 0.7646, "continuum": 0.721},
 }
+# ... and with LMCache's CPU and Redis tiers (half and one GPU cache), over all tiers.
+GOLDEN_TIERED = {"lru": 0.5878, "lmcache-lru": 0.6474, "kvflow": 0.6642, "cachescout": 0.6865}
 
 
 @pytest.mark.parametrize("blocks", sorted(GOLDEN_FIGURES))
@@ -47,6 +49,13 @@ def test_golden_figures(blocks):
     assert report.records == 363 and report.skipped == 0
     got = {name: round(_hit(sessions, name, blocks).summary()["token_hit_rate"], 4) for name in GOLDEN_FIGURES[blocks]}
     assert got == GOLDEN_FIGURES[blocks]
+
+
+def test_golden_figures_with_lower_tiers():
+    sessions, _ = read_trace(GOLDEN, block_size=16)
+    got = {name: round(_hit(sessions, name, 900, cpu_blocks=450, redis_blocks=900).summary()["token_hit_rate"], 4)
+           for name in GOLDEN_TIERED}
+    assert got == GOLDEN_TIERED
 
 
 MOONCAKE = [
