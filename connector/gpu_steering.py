@@ -20,8 +20,8 @@ against it before any block is moved:
 How many victims to place: the blocks the next step can allocate (prompt blocks still to compute
 of running requests, and of waiting ones past the prefix the mirror holds cached, a decayed peak of
 what requests arriving between steps took, one per running decode about to open a block), times
-`ahead_factor`, twice over so that a placement lasts a few steps. A placement stands while only blocks were freed since, for up to one rescoring
-interval.
+`ahead_factor`, twice over so that a placement lasts a few steps. A placement stands while only
+blocks were freed since, for up to one rescoring interval.
 
 This module imports nothing from vLLM: it reads the pool's attributes (`free_block_queue`,
 `cached_block_hash_to_block`, `KVCacheBlock.block_hash`/`ref_cnt`/`block_id`) and uses the queue's
