@@ -32,6 +32,14 @@ def _key(g: Group, b: Block, now: float) -> float:
     return age if c <= 0.0 else c * g.model + (1.0 - c) * age
 
 
+def _entry(g: Group, at: float) -> tuple:
+    """Heap entry of group `g`'s head, keyed at `at`: (-key, seq, push number, head, group, the
+    group's stamp). heapq pops the smallest, so the key is negated (the farthest next use comes
+    first); ties go to the block freed first, as in LRU; the push number keeps entries comparable."""
+    b = g.head
+    return (-_key(g, b, at), b.seq, next(_push), b, g, g.stamp)
+
+
 class Block:
     """One cached block known to the index. Linked into its group's free list while free."""
 
@@ -254,7 +262,7 @@ class EvictionIndex:
         to the slow drift of blocks' ages (a cache may keep the answer until the version moves)."""
         if n <= 0 or self.n_free == 0:
             return []
-        heap = self._head_entries(now)
+        heap = [_entry(g, now) for g in self._headed]
         heapq.heapify(heap)
         out: list[Hashable] = []
         log = math.log
@@ -308,7 +316,7 @@ class EvictionIndex:
         if self._heap_epoch != self.epoch or self._heap_until is None or now > self._heap_until:
             self._heap_epoch = self.epoch
             self._heap_until = until = now + _HEAP_HORIZON_S
-            heap = self._heap = self._head_entries(until)
+            heap = self._heap = [_entry(g, until) for g in self._headed]
             heapq.heapify(heap)
         heap = self._heap
         out: list[Hashable] = []
@@ -399,22 +407,7 @@ class EvictionIndex:
         else:
             self._headed[g] = None
         if self._heap_until is not None and g.head is not None:
-            b = g.head
-            heapq.heappush(self._heap, (-_key(g, b, self._heap_until), b.seq, next(_push), b, g, g.stamp))
-
-    def _head_entries(self, now: float) -> list[tuple]:
-        """Heap entries of every group's head at `now`: (-key, seq, push number, head, group, the
-        group's stamp). heapq pops the smallest: the key is negated so the highest (farthest next
-        use) comes first; ties go to the block freed first, as in LRU; the push number keeps
-        entries comparable. `_key` inlined: this runs over every group with a free block."""
-        log = math.log
-        out = []
-        for g in self._headed:
-            b = g.head
-            c = g.conf
-            age = log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S)
-            out.append((-age if c <= 0.0 else -(c * g.model + (1.0 - c) * age), b.seq, next(_push), b, g, g.stamp))
-        return out
+            heapq.heappush(self._heap, _entry(g, self._heap_until))
 
     # -- linked-list plumbing (O(1), no allocation) --------------------------------------------
     def _link_sorted(self, b: Block) -> None:
