@@ -61,15 +61,17 @@ class GpuSteering:
     """Mirror of the GPU prefix cache for the policy core, and the free-queue reordering."""
 
     def __init__(self, policy: CacheScoutPolicy, *, ahead_blocks: int = 16, ahead_factor: float = 1.5,
-                 budget_tokens: int = 8192, steer: bool = True,
+                 budget_tokens: int = 8192, max_seqs: int = 256, steer: bool = True,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        """`budget_tokens`: vLLM's max_num_batched_tokens (what one step may compute); `steer`:
-        False observes, learns and reports but leaves vLLM's order alone."""
+        """`budget_tokens`: vLLM's max_num_batched_tokens (what one step may compute); `max_seqs`:
+        its max_num_seqs (how many requests may run); `steer`: False observes, learns and reports
+        but leaves vLLM's order alone."""
         self.policy = policy
         self.steer = steer
         self.ahead_blocks = ahead_blocks
         self.ahead_factor = ahead_factor
         self.budget_tokens = budget_tokens
+        self.max_seqs = max_seqs
         self._arrival_blocks = 0.0                           # decayed peak of blocks arrivals took in a step
         self.clock = clock
         self.pool: Any = None
@@ -169,7 +171,8 @@ class GpuSteering:
         bs = policy.cfg.block_size
         budget = self.budget_tokens // bs + 1
         prefill = 0
-        for keys in keys_of.values():   # in arrival order, as vLLM admits them
+        # In arrival order, as vLLM admits them, and no more than it can admit next step.
+        for keys in itertools.islice(keys_of.values(), max(0, self.max_seqs - len(self._running))):
             prefill += len(keys) + 1 - self._cached_prefix(keys)
             if prefill >= budget:
                 break

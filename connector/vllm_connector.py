@@ -191,6 +191,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
             self._steering = GpuSteering(self.policy, ahead_blocks=self.settings.steer_ahead_blocks,
                                          ahead_factor=self.settings.steer_ahead_factor,
                                          budget_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                                         max_seqs=vllm_config.scheduler_config.max_num_seqs,
                                          steer=self.settings.steer_gpu)
             if self.settings.shared_state is not None:
                 self._shared = SharedLearnedState(
