@@ -68,6 +68,20 @@ def test_pool_ends_all_free_and_unpinned(runs, policy):
     assert all(b.ref_cnt == 0 for b in pool.blocks if not b.is_null)
 
 
+def test_mirror_holds_every_block_vllm_caches(runs):
+    """Prompt blocks are filed at allocation, decode-filled ones when their request finishes: at the
+    end of the run every block in vLLM's prefix cache is known to the policy, under a named group."""
+    from cachescout.policy import block_keys
+
+    replay = runs["cachescout"][1]
+    pool = replay.scheduler.kv_cache_manager.block_pool
+    cached = set(block_keys([b.block_hash for b in pool.blocks if b.block_hash is not None]))
+    index = replay.connector.policy.index
+    assert len(cached) > 500
+    assert not cached - {key for key in cached if key in index}
+    assert all(index.block(key).group is not index.default_group for key in cached)
+
+
 def test_stats_reach_vllm_as_connector_stats(runs):
     connector = runs["cachescout"][1].connector
     connector._reported_at = float("-inf")   # the report is throttled to once a second
