@@ -11,8 +11,9 @@ connector beside it (vLLM's MultiConnector, see deploy_config.py) it registers L
 `cachescout` CPU-tier policy and hands it the scheduler's per-agent reuse probabilities, sent with
 each step's connector metadata when they change (lmcache_tier.py).
 
-Each callback does O(1) work and queues the rest for the step; a failure inside CacheScout is
-counted and logged once, and vLLM keeps serving with its own LRU order.
+Each callback does O(1) work and queues the rest for the step (`request_finished` also files the
+blocks its request filled while decoding); a failure inside CacheScout is counted and logged once,
+and vLLM keeps serving with its own LRU order (the callbacks then queue nothing).
 """
 
 from __future__ import annotations
@@ -233,16 +234,16 @@ class CacheScoutConnector(KVConnectorBase_V1):
         self._steering.bind(kv_cache_manager.block_pool, lambda rid: req_to_blocks.get(rid) or ())
 
     def on_new_request(self, request: Request) -> None:
-        if self._steering is not None:
+        if self._steering is not None and not self._failed:
             self._steering.arrived(request)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        if self._steering is not None:
+        if self._steering is not None and not self._failed:
             self._steering.matched(request.request_id, num_computed_tokens)
         return 0, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        if self._steering is not None:
+        if self._steering is not None and not self._failed:
             self._steering.allocated(request)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -294,8 +295,15 @@ class CacheScoutConnector(KVConnectorBase_V1):
         return [self._steering.anchors[a] for a in sorted(new)]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self._steering is not None:
-            self._steering.finished(request)
+        if self._steering is not None and not self._failed:
+            # Files the blocks the request filled since its allocation: CacheScout's work, timed.
+            t0 = time.thread_time()
+            try:
+                self._steering.finished(request)
+            except Exception:   # as in build_connector_meta: vLLM's own order from now on
+                self._failed = True
+                log.exception("CacheScout: steering failed; vLLM's LRU order is used from now on")
+            self._decision_s += time.thread_time() - t0
         return False, None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:

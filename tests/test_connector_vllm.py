@@ -95,25 +95,29 @@ def test_stats_reach_vllm_as_connector_stats(runs):
     assert merged.data["steps"] == 2 * stats.data["steps"]
 
 
-def test_steering_failure_falls_back_to_vllm_order(short_workload, caplog):
+@pytest.mark.parametrize("where", ["_steer", "finished"])
+def test_steering_failure_falls_back_to_vllm_order(short_workload, caplog, where):
+    """A failure in the step's work or in a finished request's filing: vLLM carries on in its own
+    order, and the connector stops queueing events nobody will drain."""
     sessions, cfg = short_workload
     replay = VllmReplay(cfg, "cachescout")
     steering = replay.connector.steering
     calls = {"n": 0}
-    real = steering._steer
+    real = getattr(steering, where)
 
-    def flaky(need, now):
+    def flaky(*args):
         calls["n"] += 1
-        if calls["n"] == 50:
+        if calls["n"] == 20:
             raise RuntimeError("injected")
-        return real(need, now)
+        return real(*args)
 
-    steering._steer = flaky
+    setattr(steering, where, flaky)
     result = replay.run(sessions[:10])
-    assert calls["n"] == 50                     # never called again after the failure
+    assert calls["n"] == 20                     # never called again after the failure
     assert len(result.calls) == sum(len(s.calls) for s in sessions[:10])
     assert replay.pool_all_free()
     assert "steering failed" in caplog.text
+    assert not steering._new and not steering._allocated and not steering._hit_tokens
 
 
 def test_hints_from_kv_transfer_params():
