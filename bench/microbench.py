@@ -229,9 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.replay:
         speeds = bench_replay_speed(REPLAY_POLICIES)
         print(f"calls replayed per second ({machine()})")
-        print(f"{'policy':22s}" + "".join(f"{f:>10s}" for f in FAMILIES))
+        width = max(map(len, speeds)) + 2
+        print("policy".ljust(width) + "".join(f"{f:>10s}" for f in FAMILIES))
         for name, row in speeds.items():
-            print(f"{name:22s}" + "".join(f"{row[f]:10,.0f}" for f in FAMILIES))
+            print(name.ljust(width) + "".join(f"{row[f]:10,.0f}" for f in FAMILIES))
         if args.json:
             with open(args.json, "w") as fh:
                 json.dump(speeds, fh, indent=1)
