@@ -252,11 +252,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
             # CPU time of this (the scheduler's) thread: what CacheScout adds to a step, without
             # other processes' or threads' turns on a shared machine.
             t0 = time.thread_time()
-            try:
-                steering.step()
-            except Exception:   # never take the scheduler down: fall back to vLLM's own order
-                self._failed = True
-                log.exception("CacheScout: steering failed; vLLM's LRU order is used from now on")
+            self._steer_safely(steering.step)
             if self._shared is not None:
                 try:
                     self._shared.on_step(self.policy)
@@ -298,13 +294,18 @@ class CacheScoutConnector(KVConnectorBase_V1):
         if self._steering is not None and not self._failed:
             # Files the blocks the request filled since its allocation: CacheScout's work, timed.
             t0 = time.thread_time()
-            try:
-                self._steering.finished(request)
-            except Exception:   # as in build_connector_meta: vLLM's own order from now on
-                self._failed = True
-                log.exception("CacheScout: steering failed; vLLM's LRU order is used from now on")
+            self._steer_safely(self._steering.finished, request)
             self._decision_s += time.thread_time() - t0
         return False, None
+
+    def _steer_safely(self, work: Callable[..., None], *args: Any) -> None:
+        """Run steering work; on any failure never take the scheduler down: steering goes off
+        for good and vLLM's own order stands."""
+        try:
+            work(*args)
+        except Exception:
+            self._failed = True
+            log.exception("CacheScout: steering failed; vLLM's LRU order is used from now on")
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Counters since the last report; vLLM asks every step, we answer about once a second."""
