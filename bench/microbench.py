@@ -31,7 +31,7 @@ from typing import Any
 from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig, TransitionLearner
 
 from .policies import make_policy
-from .replay import Engine, EngineConfig, chain_hashes
+from .replay import Engine, EngineConfig, PromptKeys, chain_hashes
 from .report import machine
 from .run import calibrate_gpu_blocks
 from .workloads import FAMILIES, WorkloadSpec, generate
@@ -180,21 +180,24 @@ def bench_memory(agents: int) -> float:
 def bench_replay_speed(policies: Sequence[str], repeats: int = 3) -> dict[str, dict[str, float]]:
     """Calls replayed per second of wall time, per policy and default workload (the same calls,
     cache size and single process as `cachescout bench`; best of `repeats`, as timing noise only
-    ever slows a run down). For `cachescout`, also `cachescout-without-decisions`: the same best
-    run less the time its eviction decisions took (rescoring and victim choice), i.e. the speed its
-    per-call bookkeeping alone would allow."""
+    ever slows a run down). The prompts' block keys are computed once per workload and shared, as
+    in `cachescout bench` (a trace file gives them, too): the figure is the replay itself. For
+    `cachescout`, also `cachescout-without-decisions`: the same best run less the time its eviction
+    decisions took (rescoring and victim choice), i.e. the speed its per-call bookkeeping alone
+    would allow."""
     out: dict[str, dict[str, float]] = {}
     for family in FAMILIES:
         sessions = generate(WorkloadSpec(family=family, sessions=300))
         calls = sum(len(s.calls) for s in sessions)
-        cfg = EngineConfig(gpu_blocks=calibrate_gpu_blocks(sessions, 16), block_size=16)
+        prompt_keys = PromptKeys(16)   # filled by the calibration's runs
+        cfg = EngineConfig(gpu_blocks=calibrate_gpu_blocks(sessions, 16, prompt_keys=prompt_keys), block_size=16)
         for name in policies:
             best, best_deciding = math.inf, 0.0
             for _ in range(repeats):
                 policy = make_policy(name, PolicyConfig(block_size=16), sessions)
                 deciding = _time_evictions(policy) if name == "cachescout" else None
                 t0 = time.perf_counter()
-                Engine(cfg, policy).run(sessions)
+                Engine(cfg, policy, prompt_keys).run(sessions)
                 elapsed = time.perf_counter() - t0
                 if elapsed < best:
                     best, best_deciding = elapsed, deciding[0] if deciding else 0.0

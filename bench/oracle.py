@@ -57,8 +57,8 @@ class OraclePolicy(ReplayPolicy):
     def arrived(self, req: Request, now: float) -> None:
         # This call's uses are happening now: each of its blocks' next use moves on.
         uses, free = self._uses, self._free
-        for key in req.hashes:
-            lst = uses.get(key)
+        hashes = req.hashes
+        for key, lst in zip(hashes, map(uses.get, hashes), strict=True):   # look-ups in C: once per prompt block
             if lst:
                 lst.pop()
                 if key in free:
@@ -72,8 +72,7 @@ class OraclePolicy(ReplayPolicy):
         # `_push` inlined: this runs once per block of every finished call.
         self._free.update(keys)
         uses, stamps, tick, heap, push = self._uses, self._stamp, self._tick, self._heap, heapq.heappush
-        for k in keys:
-            lst = uses.get(k)
+        for k, lst in zip(keys, map(uses.get, keys), strict=True):
             t, depth = lst[-1] if lst else (_NEVER, 1 << 30)
             stamps[k] = stamp = next(tick)
             push(heap, (-t, -depth, stamp, k))

@@ -29,6 +29,7 @@ import dataclasses
 import heapq
 import math
 import json
+import operator
 from collections import OrderedDict, deque
 from importlib import resources
 from collections.abc import Callable, Hashable, Sequence
@@ -243,16 +244,99 @@ class Request:
     preempted: int = 0
     running: bool = False
     tag: object = None           # for the policy's use
+    admitted: int = 0            # admission order (the running queue's order)
+    base_generated: int = 0      # while decoding: `generated` at the start of step `base_step`
+    base_step: int = 0
+    due: int = -1                # while decoding: the next step it touches the cache or ends in
 
     @property
     def agent(self) -> str:
         return self.call.agent
 
 
+class _Decoding:
+    """When each decoding request next needs a visit: the step whose token opens or fills one of
+    its blocks (`Engine._grow`), or its last. In between it only adds one token per step to the
+    batch's context, counted here without visiting it."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._due: dict[int, list[Request]] = {}
+        self._stale = True     # the set of decoding requests changed: recount
+        self._at = 0           # the step `_n` and `_context` hold at
+        self._n = 0
+        self._context = 0
+
+    @staticmethod
+    def generated(req: Request, step: int) -> int:
+        """Tokens `req` has generated at the start of `step`."""
+        return req.base_generated + step - req.base_step
+
+    def schedule(self, req: Request, step: int) -> None:
+        """`req` decodes from `step` on, having generated `req.generated` tokens by then."""
+        req.base_generated = req.generated
+        req.base_step = step
+        bs = self.block_size
+        edge = (req.prompt_len + req.generated) % bs
+        wait = 0 if edge <= 1 or bs == 1 else bs - edge
+        req.due = due = step + min(wait, req.output_len - 1 - req.generated)
+        self._due.setdefault(due, []).append(req)
+
+    def changed(self) -> None:
+        self._stale = True
+
+    def leave(self, req: Request) -> None:
+        req.due = -1
+        self._stale = True
+
+    def batch(self, running: Sequence[Request], step: int) -> tuple[int, int]:
+        """(decoding requests, their context tokens) at the start of `step`."""
+        if self._stale:
+            n = context = 0
+            for r in running:
+                if r.computed >= r.prompt_len:
+                    n += 1
+                    context += r.prompt_len + r.base_generated + step - r.base_step
+            self._n, self._context, self._stale = n, context, False
+        else:
+            self._context += self._n * (step - self._at)
+        self._at = step
+        return self._n, self._context
+
+    def due(self, step: int) -> list[Request]:
+        """The requests to visit in `step`, in running-queue order."""
+        got = self._due.pop(step, None)
+        if not got:
+            return []
+        if len(got) == 1:
+            return got if got[0].due == step else []
+        return sorted({id(r): r for r in got if r.due == step}.values(), key=_admission_order)
+
+
+_admission_order = operator.attrgetter("admitted")
+
+
 def call_keys(call, block_size: int) -> list[int]:
     """Block keys of a call's prompt: chained hashes of its tokens, or a trace record's ids."""
     tokens = call.prompt_tokens()
     return chain_hashes(tokens, block_size) if tokens is not None else call.block_keys(block_size)
+
+
+class PromptKeys:
+    """Block keys of calls' prompts, computed once and shared by every replay of the same calls
+    (every policy, cache size and load of a workload), as a trace file gives them once. Keyed by
+    the call's content (its token segments or block ids), which copies at another load share."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._keys: dict[int, tuple[object, list[int]]] = {}   # id(content) -> (content, keys)
+
+    def __call__(self, call) -> list[int]:
+        content = getattr(call, "segments", None) or call.hash_ids
+        got = self._keys.get(id(content))
+        if got is None or got[0] is not content:
+            got = self._keys[id(content)] = (content, call_keys(call, self.block_size))
+        return got[1]
 
 
 def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = 0, start: int = 0) -> list[int]:
@@ -319,9 +403,13 @@ def _pct(sorted_values: list[float], q: float) -> float:
 
 
 class Engine:
-    def __init__(self, cfg: EngineConfig, policy: ReplayPolicy) -> None:
+    def __init__(self, cfg: EngineConfig, policy: ReplayPolicy, prompt_keys: PromptKeys | None = None) -> None:
+        """`prompt_keys`: shared with other replays of the same calls (else computed here)."""
+        if prompt_keys is not None and prompt_keys.block_size != cfg.block_size:
+            raise ValueError(f"prompt_keys has block_size {prompt_keys.block_size}, the engine {cfg.block_size}")
         self.cfg = cfg
         self.policy = policy
+        self.prompt_keys = prompt_keys or PromptKeys(cfg.block_size)
         self.ref: dict[int, int] = {}         # cached block hash -> reference count
         self.empty = cfg.gpu_blocks           # blocks holding nothing
         self.cached_free = 0                  # cached blocks with no reference
@@ -508,7 +596,11 @@ class Engine:
 
     def run(self, sessions: Sequence[Session], progress: Callable[[int, int], None] | None = None,
             max_preemptions: int | None = None) -> ReplayResult:
-        """Replay to the end. `max_preemptions`: give up (RuntimeError) when the cache thrashes."""
+        """Replay to the end. `max_preemptions`: give up (RuntimeError) when the cache thrashes.
+
+        A decoding request touches the cache only in the steps where its next token opens or fills
+        a block, or where it ends: the loop visits it in those steps only (`_Decoding`), not once
+        per token; every other step it just counts towards the batch and its context."""
         cfg = self.cfg
         pending: list[tuple[float, int, Request]] = []
         order = 0
@@ -517,10 +609,16 @@ class Engine:
             order += 1
         total_calls = sum(len(s.calls) for s in sessions)
         waiting: deque[Request] = deque()
-        running: list[Request] = []
+        running: list[Request] = []        # in admission order, as vLLM's running queue
+        prefilling: list[Request] = []     # the running requests whose prompt is not all computed
+        decoding = _Decoding(cfg.block_size)
         done: list[Request] = []
         steps = 0
+        admitted = 0
         policy = self.policy
+        bs = cfg.block_size
+        tiers = self.cpu is not None or self.redis is not None
+        prompt_keys = self.prompt_keys
         while pending or waiting or running:
             if not waiting and not running and pending[0][0] > self.now:
                 self.now = pending[0][0]
@@ -529,24 +627,20 @@ class Engine:
                 req.tokens = req.call.prompt_tokens()
                 req.prompt_len = req.call.prompt_len
                 req.output_len = req.call.output_len
-                req.hashes = (chain_hashes(req.tokens, cfg.block_size) if req.tokens is not None
-                              else req.call.block_keys(cfg.block_size))
+                req.hashes = prompt_keys(req.call)
                 waiting.append(req)
                 policy.arrived(req, self.now)
-            # 1) decode for running requests past prefill
-            budget = cfg.max_batched_tokens
-            decode: list[Request] = []
+            # 1) decode for running requests past prefill, then prefill chunks
+            n_decode, context = decoding.batch(running, steps)
+            budget = cfg.max_batched_tokens - n_decode
             prefill: list[tuple[Request, int]] = []
-            for req in running:
-                if req.computed >= req.prompt_len:
-                    decode.append(req)
-                    budget -= 1
             # (vLLM schedules running requests first, then admits new ones in arrival order)
-            for req in running:
-                if req.computed < req.prompt_len and budget > 0:
-                    chunk = min(budget, req.prompt_len - req.computed)
-                    prefill.append((req, chunk))
-                    budget -= chunk
+            for req in prefilling:
+                if budget <= 0:
+                    break
+                chunk = min(budget, req.prompt_len - req.computed)
+                prefill.append((req, chunk))
+                budget -= chunk
             # 2) admit waiting requests while there is room
             while waiting and budget > 0 and len(running) < cfg.max_num_seqs:
                 req = waiting[0]
@@ -554,31 +648,38 @@ class Engine:
                     break
                 waiting.popleft()
                 running.append(req)
+                prefilling.append(req)
+                req.admitted = admitted
+                admitted += 1
                 chunk = min(budget, req.prompt_len - req.computed)
                 prefill.append((req, chunk))
                 budget -= chunk
-            if not decode and not prefill:
+            if not n_decode and not prefill:
                 if running or waiting:
                     # Nothing fits: only possible when the cache cannot hold one request.
                     raise RuntimeError("a request needs more KV blocks than the GPU cache holds; raise gpu_blocks")
                 continue
-            context = sum(r.prompt_len + r.generated for r in decode)
             prefill_tokens = sum(c for _, c in prefill)
-            step_s = cfg.cost.step_s(prefill_tokens, len(decode), context) + self._load_s
+            step_s = cfg.cost.step_s(prefill_tokens, n_decode, context) + self._load_s
             self.load_s_total += self._load_s
             self._load_s = 0.0
             self.now += step_s
+            step = steps
             steps += 1
-            # 3) apply the step
+            # 3) apply the step: the decoding requests whose token opens or fills a block, or ends
             finished: list[Request] = []
-            bs = cfg.block_size
-            for req in decode:
+            for req in decoding.due(step):
                 if not req.running:
                     continue  # preempted earlier in this step
+                req.generated = decoding.generated(req, step)
                 # Only a token that opens or fills a block touches the cache (see `_grow`).
                 edge = (req.prompt_len + req.generated) % bs
                 while (edge <= 1 or bs == 1) and not self._grow(req):
                     victim = running.pop()
+                    if victim.computed < victim.prompt_len:
+                        prefilling.remove(victim)
+                    else:
+                        decoding.leave(victim)
                     self._preempt(victim)
                     if max_preemptions is not None and self.preemptions > max_preemptions:
                         raise RuntimeError(f"the GPU cache thrashes ({self.preemptions} preemptions)")
@@ -590,22 +691,29 @@ class Engine:
                 req.generated += 1
                 if req.generated >= req.output_len:
                     finished.append(req)
+                else:
+                    decoding.schedule(req, step + 1)
             for req, chunk in prefill:
                 if not req.running:
                     continue
                 req.computed += chunk
                 if req.computed >= req.prompt_len:
+                    prefilling.remove(req)
                     if req.first_token_at is None:
                         req.first_token_at = self.now
                     req.generated = 1            # the prefill step samples the first token
                     if req.output_len <= 1:
                         finished.append(req)
+                    else:
+                        decoding.schedule(req, step + 1)
+                    decoding.changed()
             for req in finished:
                 req.finished_at = self.now
                 req.running = False
                 policy.finished(req, self.now)   # as in vLLM: the connector hears it before the frees
                 self._release(req)
                 running.remove(req)
+                decoding.leave(req)
                 done.append(req)
                 req.tokens = None  # free memory
                 nxt = req.index + 1
@@ -615,7 +723,7 @@ class Engine:
                     order += 1
                 if progress is not None:
                     progress(len(done), total_calls)
-            if self.cpu is not None or self.redis is not None:
+            if tiers:
                 self._prefetch(step_s)
         return ReplayResult(policy.name, done, self.now, steps, self.preemptions, self.evictions,
                             self.load_s_total, self.prefetch_issued, self.prefetch_used, self.prefetch_wasted)

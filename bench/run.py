@@ -14,7 +14,7 @@ from cachescout.policy import PolicyConfig
 
 from .metrics import inference_accuracy
 from .policies import make_policy
-from .replay import CostProfile, Engine, EngineConfig
+from .replay import CostProfile, Engine, EngineConfig, PromptKeys
 from .table import render
 from .sweep import CACHE_FACTORS, LOAD_FACTORS, SWEEP_POLICIES, cache_sweep, load_sweep, plot
 from .trace import export_trace, read_trace
@@ -56,12 +56,15 @@ class BenchOptions:
 Progress = Callable[[str], None]
 
 
-def calibrate_gpu_blocks(sessions: Sequence[Session], block_size: int, target: float = TARGET_LRU_HIT) -> int:
+def calibrate_gpu_blocks(sessions: Sequence[Session], block_size: int, target: float = TARGET_LRU_HIT,
+                         prompt_keys: PromptKeys | None = None) -> int:
     """Smallest GPU cache (blocks, within 2%) at which LRU reaches `target` token hit rate."""
+    prompt_keys = prompt_keys or PromptKeys(block_size)
+
     def lru_hit(blocks: int) -> float:
         try:
             result = Engine(EngineConfig(gpu_blocks=blocks, block_size=block_size),
-                            make_policy("lru", PolicyConfig(block_size=block_size))).run(
+                            make_policy("lru", PolicyConfig(block_size=block_size)), prompt_keys).run(
                                 sessions, max_preemptions=len(sessions))
         except RuntimeError:  # too small to hold one request, or thrashing
             return 0.0
@@ -107,23 +110,26 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
                  progress: Progress | None = None, export: Path | None = None) -> dict:
     """Every policy of `opts` on the same sessions and cache size."""
     calls = sum(len(s.calls) for s in sessions)
+    # Every replay below shares the prompts' block keys: each `replay_calls_per_s` is the policy's
+    # replay alone (a trace file gives the keys once, too).
+    prompt_keys = PromptKeys(block_size)
     blocks = opts.gpu_blocks
     if blocks is None:
         if progress:
             progress(f"{name}: sizing the GPU cache for LRU at {TARGET_LRU_HIT:.0%}")
-        blocks = calibrate_gpu_blocks(sessions, block_size)
+        blocks = calibrate_gpu_blocks(sessions, block_size, prompt_keys=prompt_keys)
     cpu_blocks = opts.cpu_blocks or int(opts.cpu_ratio * blocks)
     redis_blocks = opts.redis_blocks or int(opts.redis_ratio * blocks)
     cfg = EngineConfig(gpu_blocks=blocks, block_size=block_size, cpu_blocks=cpu_blocks,
                        redis_blocks=redis_blocks, cost=CostProfile.named(opts.cost_profile))
     unbounded = Engine(EngineConfig(gpu_blocks=1 << 30, block_size=block_size),
-                       make_policy("lru", PolicyConfig(block_size=block_size))).run(sessions)
+                       make_policy("lru", PolicyConfig(block_size=block_size)), prompt_keys).run(sessions)
     bound = unbounded.summary()
     if export is not None:
         export.parent.mkdir(parents=True, exist_ok=True)
         export_trace(unbounded, export, block_size)
     if opts.engine == "vllm":
-        return _on_vllm(name, sessions, cfg, opts, progress)
+        return _on_vllm(name, sessions, cfg, opts, progress, prompt_keys)
     labelled = all(c.agent is not None for s in sessions for c in s.calls)
     results = []
     policy_cfg = dataclasses.replace(opts.policy_config, block_size=block_size)
@@ -133,7 +139,7 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         policy = make_policy(policy_name, policy_cfg, sessions)
         t0 = time.perf_counter()
         tick = _ticker(progress, f"{name}: {policy_name}") if progress else None
-        summary = Engine(cfg, policy).run(sessions, tick).summary()
+        summary = Engine(cfg, policy, prompt_keys).run(sessions, tick).summary()
         summary["replay_wall_s"] = time.perf_counter() - t0
         summary["replay_calls_per_s"] = calls / summary["replay_wall_s"]
         observations = getattr(policy, "observations", None)
@@ -152,10 +158,12 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
             if progress:
                 progress(f"{name}: sweeps {done[0]}/{total}")
         base_rate = opts.rate if opts.trace is None else None
-        sweeps["cache_sweep"] = cache_sweep(sessions, cfg, policy_cfg, swept, known=known, tick=tick)
+        sweeps["cache_sweep"] = cache_sweep(sessions, cfg, policy_cfg, swept, known=known, tick=tick,
+                                            prompt_keys=prompt_keys)
         if base_rate is not None:
             sweeps["load_sweep"] = load_sweep(sessions, cfg, policy_cfg, base_rate, swept,
-                                              ttft_budget_ms=opts.ttft_budget_ms, known=known, tick=tick)
+                                              ttft_budget_ms=opts.ttft_budget_ms, known=known, tick=tick,
+                                              prompt_keys=prompt_keys)
             for r in results:
                 got = sweeps["load_sweep"].get(r["policy"])
                 if got:
@@ -199,7 +207,7 @@ def fast_twin(policy: str, sessions: Sequence[Session], tiered: bool) -> str:
 
 
 def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: BenchOptions,
-             progress: Progress | None) -> dict:
+             progress: Progress | None, prompt_keys: PromptKeys | None = None) -> dict:
     """The same sessions and cache size on vLLM's scheduler and on the fast engine."""
     from .vllm_replay import compare_engines, vllm_version   # imports vLLM: only when asked for
 
@@ -209,7 +217,7 @@ def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: Be
     names = list(dict.fromkeys([*opts.policies, *(fast_twin(p, sessions, tiered) for p in opts.policies)]))
     for policy_name in names:
         tick = _ticker(progress, f"{name}: {policy_name} (fast)") if progress else None
-        fast[policy_name] = Engine(cfg, make_policy(policy_name, policy_cfg)).run(sessions, tick).summary()
+        fast[policy_name] = Engine(cfg, make_policy(policy_name, policy_cfg), prompt_keys).run(sessions, tick).summary()
     tick = None
     if progress:
         tickers: dict[str, Callable[[int, int], None]] = {}

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from cachescout.policy import PolicyConfig
 
 from .policies import make_policy
-from .replay import Engine, EngineConfig
+from .replay import Engine, EngineConfig, PromptKeys
 from .workloads import Session
 
 SWEEP_POLICIES = ("lru", "cachescout", "oracle")
@@ -33,7 +33,8 @@ def scaled_load(sessions: Sequence[Session], factor: float) -> list[Session]:
 
 def cache_sweep(sessions: Sequence[Session], cfg: EngineConfig, policy_cfg: PolicyConfig,
                 policies: Sequence[str] = SWEEP_POLICIES, factors: Sequence[float] = CACHE_FACTORS,
-                known: dict | None = None, tick: Callable[[], None] | None = None) -> dict:
+                known: dict | None = None, tick: Callable[[], None] | None = None,
+                prompt_keys: PromptKeys | None = None) -> dict:
     """{policy: [(gpu_blocks, token_hit_rate), ...]}; `known` holds results already measured."""
     out: dict[str, list[tuple[int, float]]] = {p: [] for p in policies}
     for f in factors:
@@ -43,7 +44,8 @@ def cache_sweep(sessions: Sequence[Session], cfg: EngineConfig, policy_cfg: Poli
                 hit = known[p]["token_hit_rate"]
             else:
                 try:
-                    engine = Engine(dataclasses.replace(cfg, gpu_blocks=blocks), make_policy(p, policy_cfg, sessions))
+                    engine = Engine(dataclasses.replace(cfg, gpu_blocks=blocks), make_policy(p, policy_cfg, sessions),
+                                    prompt_keys)
                     result = engine.run(sessions, max_preemptions=len(sessions) * 20)
                     hit = result.summary()["token_hit_rate"]
                 except RuntimeError:      # too small to hold a request, or thrashing
@@ -57,7 +59,7 @@ def cache_sweep(sessions: Sequence[Session], cfg: EngineConfig, policy_cfg: Poli
 def load_sweep(sessions: Sequence[Session], cfg: EngineConfig, policy_cfg: PolicyConfig, base_rate: float,
                policies: Sequence[str] = SWEEP_POLICIES, factors: Sequence[float] = LOAD_FACTORS,
                ttft_budget_ms: float = 1000.0, known: dict | None = None,
-               tick: Callable[[], None] | None = None) -> dict:
+               tick: Callable[[], None] | None = None, prompt_keys: PromptKeys | None = None) -> dict:
     """Per policy: TTFT and throughput at each offered load, the most completed calls per second
     (throughput at saturation), and the highest load whose p99 TTFT stays within the budget."""
     out: dict[str, dict] = {}
@@ -68,7 +70,7 @@ def load_sweep(sessions: Sequence[Session], cfg: EngineConfig, policy_cfg: Polic
                 s = known[p]
             else:
                 scaled = scaled_load(sessions, f)
-                s = Engine(cfg, make_policy(p, policy_cfg, scaled)).run(scaled).summary()
+                s = Engine(cfg, make_policy(p, policy_cfg, scaled), prompt_keys).run(scaled).summary()
             points.append({"sessions_per_s": base_rate * f, "ttft_mean_ms": s["ttft_mean_ms"],
                            "ttft_p99_ms": s["ttft_p99_ms"], "calls_per_s": s["throughput_calls_per_s"],
                            "token_hit_rate": s["token_hit_rate"]})

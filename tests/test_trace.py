@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from cachescout.bench.policies import make_policy
-from cachescout.bench.replay import Engine, EngineConfig
+from cachescout.bench.replay import Engine, EngineConfig, PromptKeys
 from cachescout.bench.trace import TraceError, export_trace, parse_trace, read_trace
 from cachescout.bench.workloads import WorkloadSpec, generate
 from cachescout.policy import PolicyConfig
@@ -49,6 +49,30 @@ def test_golden_figures(blocks):
     assert report.records == 363 and report.skipped == 0
     got = {name: round(_hit(sessions, name, blocks).summary()["token_hit_rate"], 4) for name in GOLDEN_FIGURES[blocks]}
     assert got == GOLDEN_FIGURES[blocks]
+
+
+# The engine's clock on the same trace, in a cache small enough to preempt: steps, preemptions and
+# mean TTFT (ms) pin the scheduling itself (chunked prefill, decode, preemption), not only the hits.
+GOLDEN_SCHEDULE = {"lru": (12001, 50, 731.1421), "cachescout": (12359, 63, 717.9445)}
+
+
+def test_golden_schedule():
+    sessions, _ = read_trace(GOLDEN, block_size=16)
+    for name, pinned in GOLDEN_SCHEDULE.items():
+        s = _hit(sessions, name, 600).summary()
+        assert (s["steps"], s["preemptions"], round(s["ttft_mean_ms"], 4)) == pinned, name
+
+
+def test_replays_sharing_prompt_keys_are_the_replays_alone():
+    sessions = generate(WorkloadSpec(family="gsm8k", sessions=40, seed=2))
+    keys = PromptKeys(16)
+    for name in ("lru", "cachescout", "oracle"):
+        shared = [Engine(EngineConfig(gpu_blocks=blocks), make_policy(name, PolicyConfig(), sessions), keys)
+                  .run(sessions).summary() for blocks in (700, 1400)]
+        alone = [_hit(sessions, name, blocks).summary() for blocks in (700, 1400)]
+        assert shared == alone, name
+    with pytest.raises(ValueError, match="block_size 16"):
+        Engine(EngineConfig(gpu_blocks=700, block_size=32), make_policy("lru", PolicyConfig()), keys)
 
 
 def test_golden_figures_with_lower_tiers():
