@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict, defaultdict
+from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Hashable, Sequence
 
 from cachescout.policy import EvictionIndex
@@ -131,8 +131,10 @@ class KVFlowPolicy(ReplayPolicy):
         self.steps = {a: self._steps_from(a) for a in self.graph}
         self.index = EvictionIndex()
         self.current: dict[str, str] = {}        # live session -> agent of its latest call
-        self._dirty = True
-        self._rescores = 0
+        self._running: Counter[str] = Counter()  # how many live sessions are at each agent
+        self._called: dict[str, set[str]] = {}   # live session -> agents it called (its contexts)
+        self._anchor_steps: dict[str, int] = {}
+        self._arrivals = 0
         self._planned_at = -1.0
         self._agent_of: dict[Hashable, str] = {}
 
@@ -152,20 +154,72 @@ class KVFlowPolicy(ReplayPolicy):
             dist = {b: p for b, p in nxt.items() if b != self._END}
         return out
 
+    # Scores follow the live sessions' current agents only, so they change only when a call arrives
+    # or a session ends: then the groups concerned are rescored (and re-keyed in the index's heap),
+    # not every group.
+    def _score(self, g) -> None:
+        never = self._HORIZON + 1
+        if g.kind == "anchor":
+            steps = self._anchor_steps.get(g.agent, never)
+        else:
+            agent = self.current.get(g.session)
+            steps = never if agent is None else self.steps.get(agent, {}).get(g.agent, never)
+        model = math.log(steps + 1.0)   # farther from execution: evicted first
+        if g.model != model or g.conf != 1.0:
+            g.model, g.conf = model, 1.0
+            self.index.rescored(g)
+
+    def _session_moved(self, sid: str, old: str | None, new: str | None) -> None:
+        if old is not None:
+            self._running[old] -= 1
+            if not self._running[old]:
+                del self._running[old]
+        if new is not None:
+            self._running[new] += 1
+        get = self.index.get_group
+        for agent in self._called.get(sid, ()):
+            g = get(("ctx", sid, agent))
+            if g is not None:
+                self._score(g)
+        anchor_steps: dict[str, int] = {}
+        for agent in self._running:
+            for b, k in self.steps.get(agent, {}).items():
+                if k < anchor_steps.get(b, self._HORIZON + 1):
+                    anchor_steps[b] = k
+        if anchor_steps != self._anchor_steps:
+            self._anchor_steps = anchor_steps
+            for agent in self.anchor:
+                g = get(("anchor", agent))
+                if g is not None:
+                    self._score(g)
+
     def _group(self, req: Request, position: int):
         agent, sid = req.agent, req.session.session_id
         if position < len(self.anchor.get(agent, ())):
-            return self.index.group(("anchor", agent), "anchor", agent=agent)
-        return self.index.group(("ctx", sid, agent), "context", agent=agent, session=sid)
+            gid, kind = ("anchor", agent), "anchor"
+        else:
+            gid, kind = ("ctx", sid, agent), "context"
+        g = self.index.get_group(gid)
+        if g is None:   # new: scored at once
+            g = self.index.group(gid, kind, agent=agent, session=sid if kind == "context" else None)
+            self._score(g)
+        return g
 
     def arrived(self, req: Request, now: float) -> None:
-        self.current[req.session.session_id] = req.agent
-        self._dirty = True
+        sid = req.session.session_id
+        self._called.setdefault(sid, set()).add(req.agent)
+        old = self.current.get(sid)
+        self.current[sid] = req.agent
+        self._session_moved(sid, old, req.agent)
+        self._arrivals += 1
+        if self._arrivals % 512 == 0:
+            self.index.prune_groups()   # finished sessions' empty contexts
 
     def finished(self, req: Request, now: float) -> None:
         if req.index == len(req.session.calls) - 1:     # the oracle knows the session is over
-            self.current.pop(req.session.session_id, None)
-            self._dirty = True
+            sid = req.session.session_id
+            self._session_moved(sid, self.current.pop(sid, None), None)
+            self._called.pop(sid, None)
 
     def admitted(self, req: Request, keys: Sequence[Hashable], num_cached: int, now: float) -> None:
         # The anchor's blocks, then the context's: two groups, looked up once each.
@@ -183,8 +237,6 @@ class KVFlowPolicy(ReplayPolicy):
 
     def cached(self, req: Request, keys: Sequence[Hashable], now: float) -> None:
         group = self._group(req, 1 << 30)
-        if not group.n_blocks:
-            self._dirty = True   # new: scored before it is next evicted from (see `_rescore`)
         for key in keys:
             self.index.add(key, group)
 
@@ -195,41 +247,18 @@ class KVFlowPolicy(ReplayPolicy):
         self.index.release(keys, now)
 
     def prefetched(self, keys: Sequence[Hashable], now: float) -> None:
-        self._dirty = True   # an anchor group may be new (see `_rescore`)
         for key in keys:
             agent = self._agent_of.pop(key, None)
-            self.index.add(key, self.index.group(("anchor", agent), "anchor", agent=agent) if agent else None)
+            group = None
+            if agent:
+                group = self.index.get_group(("anchor", agent))
+                if group is None:
+                    group = self.index.group(("anchor", agent), "anchor", agent=agent)
+                    self._score(group)
+            self.index.add(key, group)
         self.index.release(keys, now)
 
-    def _rescore(self) -> None:
-        # Groups left without blocks (finished sessions' contexts) would be scored for nothing:
-        # dropped now and then (one that comes back is created afresh, and scored before it is
-        # next evicted from: whatever creates one sets `_dirty`).
-        self._rescores += 1
-        if self._rescores % 64 == 0:
-            self.index.prune_groups()
-        anchor_steps: dict[str, int] = {}
-        for agent in self.current.values():
-            for b, k in self.steps.get(agent, {}).items():
-                if k < anchor_steps.get(b, self._HORIZON + 1):
-                    anchor_steps[b] = k
-        never = self._HORIZON + 1
-        for g in self.index.groups():
-            if g.kind == "anchor":
-                steps = anchor_steps.get(g.agent, never)
-            elif g.kind == "context":
-                agent = self.current.get(g.session)
-                steps = never if agent is None else self.steps.get(agent, {}).get(g.agent, never)
-            else:
-                g.conf = 0.0
-                continue
-            g.model, g.conf = math.log(steps + 1.0), 1.0   # farther from execution: evicted first
-        self.index.scores_changed()
-        self._dirty = False
-
     def evict(self, n: int, now: float) -> list[Hashable]:
-        if self._dirty:
-            self._rescore()
         return self.index.evict(n, now)
 
     def prefetch(self, engine, now: float) -> list[Hashable]:

@@ -395,6 +395,12 @@ class EvictionIndex:
             heapq.heappush(heap, entry)
         return None if best is None else best[3]
 
+    def rescored(self, g: Group) -> None:
+        """A scorer rewrote one group's `model`/`conf` (not all of them): re-key its head."""
+        self.version += 1
+        if g.head is not None:
+            self._head_changed(g)
+
     def scores_changed(self) -> None:
         """The scorer rewrote `model`/`conf` of some groups: the next eviction re-sorts."""
         self.epoch += 1

@@ -145,6 +145,12 @@ class ScoredOrder(RuleBasedStateMachine):
             g.model, g.conf = model, conf
         self.index.scores_changed()
 
+    @rule(group=st.integers(0, 4), model=st.floats(-8, 8), conf=st.sampled_from([0.0, 0.5, 1.0]))
+    def rescore_one(self, group, model, conf):   # one group between full rescorings (KVFlow's way)
+        g = self.groups[group]
+        g.model, g.conf = model, conf
+        self.index.rescored(g)
+
     @rule(n=st.integers(1, 6), dt=st.sampled_from([0.0, 0.005, 0.03, 0.08, 0.5]))
     def evict(self, n, dt):
         self.now += dt
@@ -254,3 +260,18 @@ def test_backed_counts_follow_free_state():
     assert index.get_group("x") is g and g.n_blocks == 0
     assert index.prune_groups() == 1
     assert index.get_group("x") is None
+
+
+def test_a_group_rescored_alone_is_re_keyed_in_evict_s_heap():
+    index = EvictionIndex()
+    a, b = index.group("a", "context"), index.group("b", "context")
+    for g in (a, b):
+        for k in range(3):
+            index.add((g.gid, k), g)
+        index.release([(g.gid, k) for k in range(3)], 0.0)
+    a.model, a.conf, b.model, b.conf = 1.0, 1.0, 5.0, 1.0
+    index.scores_changed()
+    assert index.evict(1, 0.01) == [("b", 0)]      # the heap is built: b is colder
+    a.model = 9.0                                  # now a is, and only a was rescored
+    index.rescored(a)
+    assert index.victims(1, 0.02) == index.evict(1, 0.02) == [("a", 0)]
