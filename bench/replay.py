@@ -332,7 +332,7 @@ class PromptKeys:
         self._keys: dict[int, tuple[object, list[int]]] = {}   # id(content) -> (content, keys)
 
     def __call__(self, call) -> list[int]:
-        content = getattr(call, "segments", None) or call.hash_ids
+        content = call.segments if hasattr(call, "segments") else call.hash_ids   # workload call / trace record
         got = self._keys.get(id(content))
         if got is None or got[0] is not content:
             got = self._keys[id(content)] = (content, call_keys(call, self.block_size))
