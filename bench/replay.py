@@ -742,7 +742,9 @@ class Engine:
         for key in keys:
             tier = self.where(key)
             if tier == "cpu" and to_gpu > 0:
-                if not self._take(1):
+                # Room comes from an empty block or from evicting one the policy knows: this batch's
+                # blocks are cached and free, but the policy hears of them only after the loop.
+                if self.empty == 0 and self.cached_free <= len(arrived) or not self._take(1):
                     break
                 self.ref[key] = 0
                 self.cached_free += 1

@@ -75,6 +75,16 @@ def test_replays_sharing_prompt_keys_are_the_replays_alone():
         Engine(EngineConfig(gpu_blocks=700, block_size=32), make_policy("lru", PolicyConfig()), keys)
 
 
+@pytest.mark.parametrize("name", ["kvflow", "cachescout"])
+def test_prefetch_into_a_full_cache_evicts_only_blocks_the_policy_knows(name):
+    # A small GPU cache whose only free blocks, mid-prefetch, are that prefetch's own (the policy
+    # hears of them after the batch): the engine asked the policy to evict them and stopped.
+    sessions = generate(WorkloadSpec(family="swebench", sessions=12, seed=5))
+    result = _hit(sessions, name, 600, cpu_blocks=600, redis_blocks=2000)
+    assert len(result.requests) == sum(len(s.calls) for s in sessions)
+    assert result.prefetch_issued > 0
+
+
 def test_golden_figures_with_lower_tiers():
     sessions, _ = read_trace(GOLDEN, block_size=16)
     got = {name: round(_hit(sessions, name, 900, cpu_blocks=450, redis_blocks=900).summary()["token_hit_rate"], 4)
