@@ -29,7 +29,7 @@ class CacheScoutReplay(ReplayPolicy):
 
     def arrived(self, req: Request, now: float) -> None:
         self.now = now
-        hints = Hints(agent=req.agent, session=req.session.session_id) if self.hints else None
+        hints = Hints(agent=req.agent, session=str(req.session.session_id)) if self.hints else None
         tokens = req.tokens if self.tokens else None
         content = getattr(req.call, "chunks", None) if self.tokens and tokens is None else None
         obs = self.core.observe(req, req.hashes, tokens=tokens, content=content or None, hints=hints, now=now)

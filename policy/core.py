@@ -134,8 +134,8 @@ class CacheScoutPolicy:
         now = self.clock() if now is None else now
         self._expire(now)
         fp = self.fingerprints.observe(block_hashes)
-        for agent in self.fingerprints.retired:
-            self.learner.forget(self._aliases.pop(agent, agent))
+        for gone in self.fingerprints.retired:
+            self.learner.forget(self._aliases.pop(gone, gone))
         self.fingerprints.retired.clear()
 
         agent = fp.agent

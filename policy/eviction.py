@@ -37,6 +37,7 @@ def _entry(g: Group, at: float) -> tuple:
     group's stamp). heapq pops the smallest, so the key is negated (the farthest next use comes
     first); ties go to the block freed first, as in LRU; the push number keeps entries comparable."""
     b = g.head
+    assert b is not None, "only groups with a free block have a head entry"
     return (-_key(g, b, at), b.seq, next(_push), b, g, g.stamp)
 
 
@@ -248,7 +249,7 @@ class EvictionIndex:
 
     def lru_victims(self, n: int) -> list[Hashable]:
         """What plain LRU would evict next (the oldest free blocks). Changes nothing."""
-        out = []
+        out: list[Hashable] = []
         b = self._lru_head
         while b is not None and len(out) < n:
             out.append(b.key)
@@ -299,10 +300,13 @@ class EvictionIndex:
 
     def next_victim_group(self, now: float) -> Group | None:
         """The group the next victim would come from (None when nothing is free). O(free groups)."""
-        best, best_key = None, None
+        best: Group | None = None
+        best_key = -math.inf
         for g in self._headed:
-            key = _key(g, g.head, now)
-            if best_key is None or key > best_key:
+            head = g.head
+            assert head is not None
+            key = _key(g, head, now)
+            if best is None or key > best_key:
                 best, best_key = g, key
         return best
 
@@ -335,6 +339,7 @@ class EvictionIndex:
                 heapq.heappop(heap)   # stale: its group's head changed since
             top_key, top_seq = (heap[0][0], heap[0][1]) if heap else (math.inf, 0)
             tail = g.tail
+            assert tail is not None
             neg = -_key(g, tail, now)
             whole = neg < top_key or (neg == top_key and tail.seq < top_seq)   # as in `victims`
             taken = 0
@@ -465,14 +470,15 @@ class EvictionIndex:
     def _unlink(self, b: Block) -> None:
         g = b.group
         was_head = b.prev is None
-        if was_head:
-            g.head = b.next
+        prev, nxt = b.prev, b.next
+        if prev is None:
+            g.head = nxt
         else:
-            b.prev.next = b.next
-        if b.next is None:
-            g.tail = b.prev
+            prev.next = nxt
+        if nxt is None:
+            g.tail = prev
         else:
-            b.next.prev = b.prev
+            nxt.prev = prev
         b.prev = b.next = None
         b.free = False
         g.n_free -= 1

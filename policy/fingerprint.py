@@ -36,6 +36,7 @@ import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 from .config import PolicyConfig
 
@@ -43,8 +44,14 @@ _MASK64 = (1 << 64) - 1
 _MAX_CANDIDATES = 8    # sessions remembered for a prompt several sessions sent identically
 
 
-class _Shared(tuple):
+class _Shared:
     """Owner of a prompt that several sessions sent identically: any of them may continue it."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, members: tuple) -> None:
+        self.members = members
+
 _CROSSED = object()    # `via` value: the session went into two different children
 _VIA_SESSIONS = 64     # sessions remembered per shared prefix
 _SESSIONS_PER_AGENT = 3  # sessions per child above which children are agents, not task text
@@ -68,12 +75,19 @@ def block_key(h: object) -> int:
 _leading_int64 = struct.Struct(">q").unpack_from   # the first 8 bytes of a buffer, signed big-endian
 
 
-def block_keys(hashes: Sequence[object]) -> list[int]:
+def block_keys(hashes: Sequence[Any]) -> list[int]:
     """`block_key` of each hash; vLLM's bytes (32 each) in one pass."""
     try:
         return [_leading_int64(h)[0] for h in hashes]
     except (TypeError, struct.error):   # ints, or buffers shorter than 8 bytes
         return [block_key(h) for h in hashes]
+
+
+def _flag_kids(node: _Node) -> set[_Node]:
+    """The shared prefixes nearest below a shared prefix (or the root): a set for every one."""
+    kids = node.flag_kids
+    assert kids is not None, "shared prefixes and the root keep their nearest shared prefixes"
+    return kids
 
 
 class _Node:
@@ -292,7 +306,7 @@ class AgentFingerprinter:
             owner = node.end_owner
             if repeat and owner is not None and owner != session:
                 # Several sessions sent this very prompt: remember them all (a few).
-                members = owner if isinstance(owner, _Shared) else (owner,)
+                members = owner.members if isinstance(owner, _Shared) else (owner,)
                 if session not in members:
                     members = (members + (session,))[-_MAX_CANDIDATES:]
                 node.end_owner = _Shared(members)
@@ -342,9 +356,10 @@ class AgentFingerprinter:
         # A prompt that ended past the anchor (a session's context, not just the agent's text).
         continues = None
         candidates: tuple = ()
-        if previous is not None and last_end.end > (anchor.end if anchor is not None else pre.end):
+        past = anchor.end if anchor is not None else pre.end
+        if last_end is not None and previous is not None and last_end.end > past:
             if isinstance(previous, _Shared):
-                candidates = tuple(previous)
+                candidates = previous.members
             else:
                 continues = previous
         agent = None
@@ -470,6 +485,7 @@ class AgentFingerprinter:
         ch.start = j
         ch.parent = mid
         mid.children = {ch.seq[0]: ch}
+        assert parent is not None and parent.children is not None, "a split edge is below its parent"
         parent.children[first] = mid
         self._nodes[mid.nid] = mid
         return mid  # `mid` is not flagged, so every shared prefix keeps its nearest shared ancestor
@@ -482,21 +498,23 @@ class AgentFingerprinter:
 
     def _promote(self, node: _Node) -> None:
         node.flagged = True
-        node.flag_kids = set()
+        node.flag_kids = kids = set()
         self._flagged.add(node)
         f = self._flag_parent(node)
-        moved = [k for k in f.flag_kids if self._is_below(k, node)]
+        above = _flag_kids(f)
+        moved = [k for k in above if self._is_below(k, node)]
         for k in moved:
-            f.flag_kids.discard(k)
-            node.flag_kids.add(k)
-        f.flag_kids.add(node)
+            above.discard(k)
+            kids.add(k)
+        above.add(node)
         f.pre_at = -1
         node.pre_at = -1
 
     def _demote(self, node: _Node) -> None:
         f = self._flag_parent(node)
-        f.flag_kids.discard(node)
-        f.flag_kids |= node.flag_kids or set()
+        above = _flag_kids(f)
+        above.discard(node)
+        above |= node.flag_kids or set()
         f.pre_at = -1
         node.flagged = False
         node.flag_kids = None
@@ -527,6 +545,7 @@ class AgentFingerprinter:
             child.seq = node.seq + child.seq
             child.start = node.start
             child.parent = parent
+            assert parent is not None and parent.children is not None, "only the root has no parent"
             parent.children[node.seq[0]] = child
             del self._nodes[node.nid]
 
@@ -535,6 +554,7 @@ class AgentFingerprinter:
         while len(self._leaves) > cap:
             _, leaf = self._leaves.popitem(last=False)
             parent = leaf.parent
+            assert parent is not None and parent.children is not None, "the root is never a leaf here"
             del parent.children[leaf.seq[0]]
             del self._nodes[leaf.nid]
             if not parent.children:

@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from .config import PolicyConfig
 from .costs import RebuildCost
-from .eviction import EvictionIndex
+from .eviction import EvictionIndex, Group
 from .sessions import Session, SessionTracker
 from .transitions import END, START, TransitionLearner
 
@@ -73,6 +73,11 @@ def _next_call(s: Session, now: float, think: float, duration: float) -> tuple[f
         return max(duration - (now - s.last_call_at), 0.1 * duration) + think, 1.0
     idle = now - max(s.last_finish_at, s.last_call_at)
     return max(think - idle, 0.1 * think), math.exp(-max(0.0, idle - 2.0 * think) / think)
+
+
+def _is_current(current: Mapping[str, int], g: Group) -> bool:
+    """Whether anchor group `g` (id ("anchor", agent, version node)) is its agent's version in use."""
+    return g.agent is not None and current.get(g.agent) == cast(tuple, g.gid)[2]
 
 
 class _Row(NamedTuple):
@@ -237,14 +242,14 @@ class SurvivalScorer:
         # has free blocks need a use rate.
         free_groups = list(index.free_groups())
         current = self.current_anchor
-        wanted = {g.agent for g in free_groups if g.kind == "anchor" and current.get(g.agent) == g.gid[2]}
+        wanted = {g.agent for g in free_groups if g.kind == "anchor" and _is_current(current, g)}
 
-        def session_view(s: Session) -> tuple[float, float, _Row, str | None]:
-            got = per_agent.get(s.agent)
+        def session_view(s: Session, agent: str) -> tuple[float, float, _Row, str | None]:
+            got = per_agent.get(agent)
             if got is None:
-                row = self._row(s.agent)
-                got = per_agent[s.agent] = (row, max(self.think.get(s.agent), 1e-3), self.duration.get(s.agent),
-                                            tuple(u for u in row.uses if u[0] in wanted))
+                row = self._row(agent)
+                got = per_agent[agent] = (row, max(self.think.get(agent), 1e-3), self.duration.get(agent),
+                                          tuple(u for u in row.uses if u[0] in wanted))
             t_next, alive = _next_call(s, now, got[1], got[2])
             view = per_session[s.sid] = (t_next, alive, got[0], overrides.get(s.sid) if overrides else None)
             return view
@@ -254,7 +259,7 @@ class SurvivalScorer:
         for s in self.sessions.recent(now, max(self.think.longest(), 1e-3) * _ALIVE_IDLE_THINKS):
             if s.agent is None:
                 continue
-            t_next, alive, row, nxt = session_view(s)
+            t_next, alive, row, nxt = session_view(s, s.agent)
             for x, p, e in per_agent[s.agent][3]:
                 anchor_rate[x] = anchor_rate.get(x, 0.0) + alive * p / (t_next + e * step)
             if nxt is not None:
@@ -285,14 +290,14 @@ class SurvivalScorer:
                 # Most live sessions were viewed above.
                 got = per_session.get(g.session) if agent is not None else None
                 if got is None:
-                    s = session_of(g.session)
-                    if s is None:
+                    ses = session_of(g.session)
+                    if ses is None:
                         rate, conf = 0.0, conf_all         # the session is over
-                    elif s.agent is None or agent is None:
+                    elif ses.agent is None or agent is None:
                         rate, conf = 0.0, 0.0              # nothing known: LRU
                     else:
-                        got = session_view(s)
-                if got is not None:
+                        got = session_view(ses, ses.agent)
+                if got is not None and agent is not None:
                     t_next, alive, row, nxt = got
                     p = row.reach.get(agent, 0.0)
                     rate = alive * p / (t_next + row.extra.get(agent, 0.0) * step) if p else 0.0
@@ -302,7 +307,7 @@ class SurvivalScorer:
                         conf = 1.0
             elif kind == "anchor":
                 anchors.append(g)
-                rate = anchor_rate.get(g.agent, 0.0) if current.get(g.agent) == g.gid[2] else 0.0
+                rate = anchor_rate.get(g.agent, 0.0) if g.agent is not None and _is_current(current, g) else 0.0
                 conf = conf_all
             elif kind == "preamble":
                 preambles.append(g)

@@ -34,7 +34,13 @@ _ENDED_DECAY = 0.995         # ... counted with a half-life of about 140 session
 _MIN_IDLE_S = 5.0           # never call a session over sooner than this
 _TIME_SCAN = 256            # idle sessions examined for a time-based match
 _CUT_MASK = 3               # a cut after ~1 token in 4: chunks of ~4 tokens
-_MIX = 0x9E3779B97F4A7C15   # odd 64-bit constant for the cut-point hash
+_MIX = 0x9E3779B97F4A7C15   # odd 64-bit constants for the cut-point hash
+_MIX_PREV = 0x85EBCA6B
+# The cut tests bits 17-18 of (tok * _MIX) ^ (prev * _MIX_PREV), which depend only on the low 19
+# bits of each factor: multiplying by the constants' low bits gives the same cuts with products
+# that fit a machine word (no big-integer arithmetic per token).
+_MIX_LO = _MIX & (1 << 19) - 1
+_MIX_PREV_LO = _MIX_PREV & (1 << 19) - 1
 
 
 def content_chunks(tokens: Sequence[int], start: int, window: int) -> list[int]:
@@ -49,7 +55,7 @@ def content_chunks(tokens: Sequence[int], start: int, window: int) -> list[int]:
     prev = tokens[start - 1] if start > 0 else 0
     for i in range(max(start, 0), end):
         tok = tokens[i]
-        if ((tok * _MIX) ^ (prev * 0x85EBCA6B)) >> 17 & _CUT_MASK == 0:
+        if ((tok * _MIX_LO) ^ (prev * _MIX_PREV_LO)) >> 17 & _CUT_MASK == 0:
             if last_cut >= 0:
                 out.append(hash(tuple(tokens[last_cut:i + 1])))
             last_cut = i + 1
@@ -64,7 +70,7 @@ def content_sketch(tokens: Sequence[int]) -> list[tuple[int, int, int]]:
     last_cut = -1
     prev = 0
     for i, tok in enumerate(tokens):
-        if ((tok * _MIX) ^ (prev * 0x85EBCA6B)) >> 17 & _CUT_MASK == 0:
+        if ((tok * _MIX_LO) ^ (prev * _MIX_PREV_LO)) >> 17 & _CUT_MASK == 0:
             if last_cut >= 0:
                 out.append((last_cut, i + 1, hash(tuple(tokens[last_cut:i + 1]))))
             last_cut = i + 1
@@ -117,7 +123,7 @@ class SessionTracker:
         self._ids = itertools.count(1)
         self.agent_counts: Counter[str] = Counter()   # current agent of each live session
         self.version = 0
-        self.evidence = Counter()
+        self.evidence: Counter[str] = Counter()
         # Of the sessions that ended after two or more calls, how many involved two or more agents
         # (decayed): near zero while several agents are active means sessions are not being
         # linked across agents (no token ids, no hints), so predictions about contexts are unfounded.
@@ -173,6 +179,7 @@ class SessionTracker:
             if tokens is not None:
                 chunks = content_chunks(tokens, content_start, self.cfg.session_window_tokens)
             else:
+                assert sketch is not None
                 chunks = sketch_window(sketch, content_start, self.cfg.session_window_tokens)
             if candidates:
                 live = {self._sessions[c] for c in candidates if c in self._sessions}

@@ -156,8 +156,8 @@ def test_submit_and_drain_bound_the_queue():
 def test_snapshot_round_trip_between_replicas():
     a, b = CacheScoutPolicy(), CacheScoutPolicy()
     for s in range(20):
-        a.observe(("a", s), chain(anchor("sup", 3) + [s]), hints=Hints(agent="sup", session=s), now=s)
-        a.observe(("b", s), chain(anchor("coder", 3) + [s]), hints=Hints(agent="coder", session=s), now=s + 0.5)
+        a.observe(("a", s), chain(anchor("sup", 3) + [s]), hints=Hints(agent="sup", session=str(s)), now=s)
+        a.observe(("b", s), chain(anchor("coder", 3) + [s]), hints=Hints(agent="coder", session=str(s)), now=s + 0.5)
     blob = a.snapshot().encode()
     b.absorb(TransitionSnapshot.decode(blob))
     assert b.predict_next("sup")[0][0] == "coder"
