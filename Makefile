@@ -9,12 +9,34 @@ STAMP := $(VENV)/.installed
 # checkov's pins would fight vLLM's.
 TOOLS_PINS := requirements/deploy.txt
 TOOLS ?= $(HOME)/.cache/cachescout/tools-$(shell cat $(TOOLS_PINS) | sha256sum | cut -c1-12)
+# mypyc, to compile the policy core's and the replay engine's hot modules (tools/native.py); rebuilt
+# when a source changes. Both packages fall back to their sources when the build is missing or stale.
+NATIVE_PINS := requirements/native.txt
+NATIVE_ENV ?= $(HOME)/.cache/cachescout/native-$(shell cat $(NATIVE_PINS) | sha256sum | cut -c1-12)
+NATIVE_STAMP := policy/_native/SOURCES.json
 
-.PHONY: bench test microbench state-bench manifests venv tools clean-venv
+# The tests that pin the policy core's and the replay engine's behaviour, run again on the sources.
+PURE_TESTS := tests/test_policy.py tests/test_eviction.py tests/test_sessions.py tests/test_fingerprint.py \
+	tests/test_transitions.py tests/test_guard.py tests/test_prefetch.py tests/test_oracle.py tests/test_trace.py
 
-venv: $(STAMP)
+.PHONY: bench test microbench state-bench manifests venv tools native clean-venv
+
+venv: $(STAMP) $(NATIVE_STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >$(VENV)/install.log 2>&1 \
 		|| { cat $(VENV)/install.log; exit 1; }
+
+native: $(NATIVE_STAMP)
+
+$(NATIVE_STAMP): $(wildcard policy/*.py bench/*.py) tools/native.py $(NATIVE_ENV)/.installed
+	@echo "compiling the policy core and the replay engine with mypyc"
+	@$(NATIVE_ENV)/bin/python tools/native.py >$(NATIVE_ENV)/build.log 2>&1 || { cat $(NATIVE_ENV)/build.log; exit 1; }
+
+$(NATIVE_ENV)/.installed: $(NATIVE_PINS)
+	@echo "building $(NATIVE_ENV)"
+	@$(PYTHON) -m venv $(NATIVE_ENV)
+	@$(NATIVE_ENV)/bin/python -m pip install -q pip==26.3
+	@$(NATIVE_ENV)/bin/python -m pip install -q -r $(NATIVE_PINS)
+	@touch $@
 
 $(STAMP): $(PINS)
 	@echo "building $(VENV)"
@@ -36,8 +58,10 @@ bench: venv
 	$(VENV)/bin/cachescout bench $(ARGS)
 
 test: venv tools
-	$(VENV)/bin/ruff check -q policy bench connector tests deploy/render.py
-	CACHESCOUT_TOOLS=$(TOOLS) $(PY) -m pytest $(ARGS)
+	$(VENV)/bin/ruff check -q policy bench connector tests tools deploy/render.py
+	CACHESCOUT_TOOLS=$(TOOLS) CACHESCOUT_EXPECT_NATIVE=1 $(PY) -m pytest $(ARGS)
+	@echo "again in pure Python: the policy core, the replay engine and their pinned figures"
+	CACHESCOUT_NATIVE=0 $(PY) -m pytest -q $(PURE_TESTS)
 
 manifests: tools
 	$(TOOLS)/bin/python deploy/render.py --manifests
@@ -49,4 +73,4 @@ state-bench: venv
 	$(PY) -m cachescout.bench.state_bench $(ARGS)
 
 clean-venv:
-	rm -rf $(VENV) $(TOOLS)
+	rm -rf $(VENV) $(TOOLS) $(NATIVE_ENV) policy/_native bench/_native

@@ -93,7 +93,7 @@ class ContinuumPolicy(ReplayPolicy):
                 self._outcome(k, reused=False)
                 self.free[k] = None
                 self.free.move_to_end(k, last=False)
-        out = []
+        out: list[Hashable] = []
         while self.free and len(out) < n:
             out.append(self.free.popitem(last=False)[0])
         while heap and len(out) < n:     # nothing unpinned left: the pin that expires first goes
@@ -195,6 +195,7 @@ class KVFlowPolicy(ReplayPolicy):
 
     def _group(self, req: Request, position: int):
         agent, sid = req.agent, req.session.session_id
+        gid: tuple
         if position < len(self.anchor.get(agent, ())):
             gid, kind = ("anchor", agent), "anchor"
         else:

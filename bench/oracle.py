@@ -14,6 +14,7 @@ import heapq
 import itertools
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 from .replay import Engine, EngineConfig, LRUPolicy, ReplayPolicy, Request, call_keys
 from .workloads import Session
@@ -64,11 +65,11 @@ class OraclePolicy(ReplayPolicy):
                 if key in free:
                     self._push(key)
 
-    def reused(self, keys: Sequence[Hashable], now: float) -> None:
+    def reused(self, keys: Sequence[Any], now: float) -> None:   # the engine's keys: ints
         for k in keys:
             self._free.discard(k)
 
-    def freed(self, keys: Sequence[Hashable], now: float) -> None:
+    def freed(self, keys: Sequence[Any], now: float) -> None:
         # `_push` inlined: this runs once per block of every finished call.
         self._free.update(keys)
         uses, stamps, tick, heap, push = self._uses, self._stamp, self._tick, self._heap, heapq.heappush
@@ -78,7 +79,7 @@ class OraclePolicy(ReplayPolicy):
             push(heap, (-t, -depth, stamp, k))
 
     def evict(self, n: int, now: float) -> list[Hashable]:
-        out = []
+        out: list[Hashable] = []
         heap = self._heap
         while heap and len(out) < n:
             _, _, stamp, key = heapq.heappop(heap)

@@ -33,8 +33,15 @@ import operator
 from collections import OrderedDict, deque
 from importlib import resources
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any, cast
 
 from .workloads import Session
+
+try:
+    from mypy_extensions import mypyc_attr
+except ImportError:   # not compiled (tools/native.py): the decorator only means something to mypyc
+    def mypyc_attr(*args: Any, **kwargs: Any) -> Callable[[Any], Any]:   # type: ignore[misc]
+        return lambda cls: cls
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -87,24 +94,24 @@ class TierStore:
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
         self.capacity = capacity
-        self.keys: OrderedDict[int, None] = OrderedDict()
+        self.keys: OrderedDict[Hashable, None] = OrderedDict()   # vLLM's keys are bytes, the replay's ints
 
-    def __contains__(self, key: int) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self.keys
 
-    def put(self, keys: Sequence[int]) -> list[int]:
+    def put(self, keys: Sequence[Hashable]) -> list[Hashable]:
         """Store (or refresh) blocks; returns the blocks evicted to make room."""
         store = self.keys
         for k in keys:
             store[k] = None
             store.move_to_end(k)
-        dropped = []
+        dropped: list[Hashable] = []
         while len(store) > self.capacity:
             dropped.append(store.popitem(last=False)[0])
         return dropped
 
 
-def plan_tier_loads(keys: Sequence[int], start: int, limit: int, where: Callable[[int], str | None],
+def plan_tier_loads(keys: Sequence[Hashable], start: int, limit: int, where: Callable[[Hashable], str | None],
                     cost: CostProfile, block_size: int) -> tuple[int, list[tuple[str, int]]]:
     """Past the GPU hit (`start`), the lower tiers: runs of blocks from one tier, each loaded only
     when that beats recomputing it; the first run that does not stops the load. Returns the end of
@@ -149,13 +156,14 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class ReplayPolicy:
     """Eviction policy of the GPU prefix cache, and what it is told. Subclasses override."""
 
     name = "base"
     uses_tiers = True   # vanilla vLLM (`lru`) has no LMCache tiers
 
-    def prefetch(self, engine: Engine, now: float) -> list[int]:
+    def prefetch(self, engine: Engine, now: float) -> list[Hashable]:
         """Between steps: keys of lower-tier blocks to bring into the GPU cache, in order."""
         return []
 
@@ -188,6 +196,7 @@ class ReplayPolicy:
         """The call ended."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class LRUPolicy(ReplayPolicy):
     """vLLM's own order: cached free blocks leave from the head of the free queue."""
 
@@ -197,16 +206,16 @@ class LRUPolicy(ReplayPolicy):
     def __init__(self) -> None:
         self.free: OrderedDict[Hashable, None] = OrderedDict()
 
-    def reused(self, keys, now):
+    def reused(self, keys: Sequence[Hashable], now: float) -> None:
         for k in keys:
             del self.free[k]
 
-    def freed(self, keys, now):
+    def freed(self, keys: Sequence[Hashable], now: float) -> None:
         for k in keys:
             self.free[k] = None
 
-    def evict(self, n, now):
-        out = []
+    def evict(self, n: int, now: float) -> list[Hashable]:
+        out: list[Hashable] = []
         free = self.free
         while free and len(out) < n:
             out.append(free.popitem(last=False)[0])
@@ -224,7 +233,7 @@ class LMCacheLRUPolicy(LRUPolicy):
 class Request:
     session: Session
     index: int
-    call: object                 # a workload Call or a trace record (same interface)
+    call: Any                    # a workload Call or a trace record (same interface)
     issued_at: float
     tokens: list[int] | None = None  # prompt token ids (None when replaying a trace of hashes)
     hashes: list[int] = dataclasses.field(default_factory=list)     # full prompt blocks
@@ -243,7 +252,7 @@ class Request:
     last_hash: int = 0
     preempted: int = 0
     running: bool = False
-    tag: object = None           # for the policy's use
+    tag: Any = None              # for the policy's use
     admitted: int = 0            # admission order (the running queue's order)
     base_generated: int = 0      # while decoding: `generated` at the start of step `base_step`
     base_step: int = 0
@@ -366,8 +375,8 @@ class ReplayResult:
         reqs = [r for r in self.requests if r.finished_at is not None]
         prompt = sum(r.prompt_len for r in reqs)
         hit = sum(r.hit_tokens for r in reqs)
-        ttft = sorted(r.first_token_at - r.issued_at for r in reqs)
-        e2e = [r.finished_at - r.issued_at for r in reqs]
+        ttft = sorted(cast(float, r.first_token_at) - r.issued_at for r in reqs)
+        e2e = [cast(float, r.finished_at) - r.issued_at for r in reqs]
         def share(tokens: int) -> float:
             return tokens / prompt if prompt else 0.0
 
@@ -426,7 +435,7 @@ class Engine:
         self.prefetch_used = 0
         self.prefetch_wasted = 0
 
-    def where(self, key: int) -> str | None:
+    def where(self, key: Hashable) -> str | None:
         """The closest tier holding a block: "gpu", "cpu", "redis" or None."""
         if key in self.ref:
             return "gpu"
@@ -451,7 +460,7 @@ class Engine:
             return False
         short = n - self.empty
         if short > 0:
-            victims = self.policy.evict(short, self.now)
+            victims: list[Any] = self.policy.evict(short, self.now)
             if len(victims) != short:
                 raise RuntimeError(f"policy {self.policy.name} evicted {len(victims)} blocks, asked {short}")
             ref = self.ref
@@ -584,7 +593,7 @@ class Engine:
         out = req.call.output
         if start >= p:
             return list(out[start - p:end - p])
-        return req.tokens[start:p] + list(out[:end - p])
+        return cast(list, req.tokens)[start:p] + list(out[:end - p])
 
     def _preempt(self, req: Request) -> None:
         self._release(req)
@@ -731,14 +740,14 @@ class Engine:
     def _prefetch(self, step_s: float) -> None:
         """Background transfers the policy asks for, as much as the links carry during a step:
         CPU -> GPU (the block joins the GPU cache, free) and Redis -> CPU."""
-        keys = self.policy.prefetch(self, self.now)
+        keys: list[Any] = self.policy.prefetch(self, self.now)   # the engine's keys are ints
         if not keys:
             return
         cost = self.cfg.cost
         block_bytes = self.cfg.block_size * cost.kv_bytes_per_token
         to_gpu = int(cost.cpu_gbps * 1e9 * step_s / block_bytes)
         to_cpu = int(cost.redis_gbps * 1e9 * step_s / block_bytes)
-        arrived = []
+        arrived: list[Hashable] = []
         for key in keys:
             tier = self.where(key)
             if tier == "cpu" and to_gpu > 0:

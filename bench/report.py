@@ -19,6 +19,8 @@ import platform
 import sys
 import tempfile
 
+from cachescout.policy import NATIVE_STATUS
+
 from .run import BenchOptions, run
 
 ALL_POLICIES = ("lru", "continuum", "kvflow", "cachescout", "cachescout-hints", "cachescout-hashonly", "oracle")
@@ -181,7 +183,7 @@ def machine() -> str:
     except metadata.PackageNotFoundError:
         engines = ""
     return (f"{os.cpu_count()} cores ({cpu}){mem}, {platform.python_implementation()} "
-            f"{platform.python_version()}{engines}")
+            f"{platform.python_version()}{engines}; CacheScout {NATIVE_STATUS}")
 
 
 def trace_section() -> str:

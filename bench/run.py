@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from cachescout.policy import PolicyConfig
+from cachescout.policy import NATIVE_STATUS, PolicyConfig
 
 from .metrics import inference_accuracy
 from .policies import make_policy
@@ -327,6 +327,7 @@ def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
                          "(prefill_stats.num_local_cached_tokens), beside the fast engine's on the same "
                          "sessions and cache size; connector and scheduler times are CPU time of the "
                          "scheduler's thread, step time the cost model's GPU step plus the scheduler's",
+            "build": NATIVE_STATUS,
             "workloads": reports,
         }
     return {
@@ -334,5 +335,6 @@ def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
                      "last prompt token always recomputed); TTFT on a virtual clock from the cost model",
         "bound": "oracle: prefix-aware Belady on the GPU tier (the bound for eviction-only policies); "
                  "oracle_gap_closed = (policy - lru) / (oracle - lru); unbounded_cache_hit_rate: an infinite cache",
+        "build": NATIVE_STATUS,   # replay_wall_s and replay_calls_per_s depend on it, no other figure does
         "workloads": reports,
     }

@@ -1,7 +1,52 @@
 """CacheScout's policy core: recognise agents, learn their transitions, decide what KV to keep.
 
 Standard library and msgpack only; nothing here imports vLLM, LMCache, torch or redis.
+
+The hot modules may also be compiled with mypyc (`tools/native.py`, run by `make venv`) into
+`_native/`. They are used only when built from exactly these sources (`NATIVE` says which runs,
+`NATIVE_STATUS` why); `CACHESCOUT_NATIVE=0` forces the pure-Python modules.
 """
+
+import hashlib as _hashlib
+import json as _json
+import os as _os
+import sysconfig as _sysconfig
+
+
+def _compiled_build() -> tuple[bool, str]:
+    """Whether the compiled modules (policy/_native, bench/_native) may be used, and why (not):
+    only when every one of them was compiled from the source that sits next to it now."""
+    if _os.environ.get("CACHESCOUT_NATIVE", "1") == "0":
+        return False, "pure Python (CACHESCOUT_NATIVE=0)"
+    here = _os.path.dirname(_os.path.abspath(__file__))
+    top = _os.path.dirname(here)   # holds policy/ and bench/ (the repository, or site-packages/cachescout)
+    try:
+        with open(_os.path.join(here, "_native", "SOURCES.json")) as f:
+            stamp = _json.load(f)
+        sources = dict(stamp["sources"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False, "pure Python (not compiled: `make native`)"
+    if stamp.get("ext_suffix") != _sysconfig.get_config_var("EXT_SUFFIX"):
+        return False, f"pure Python (compiled for another interpreter: {stamp.get('ext_suffix')})"
+    for name, digest in sources.items():
+        try:
+            with open(_os.path.join(top, name), "rb") as f:
+                current = _hashlib.sha256(f.read()).hexdigest()
+        except OSError:
+            current = None
+        if current != digest:
+            return False, f"pure Python ({name} changed since it was compiled: `make native`)"
+    return True, f"compiled with mypyc ({len(sources)} modules)"
+
+
+def native_path(package_dir: str) -> str | None:
+    """The folder of a package's compiled modules, to search before its sources; None: pure Python."""
+    return _os.path.join(package_dir, "_native") if NATIVE else None
+
+
+NATIVE, NATIVE_STATUS = _compiled_build()
+if NATIVE:
+    __path__.insert(0, _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "_native"))  # noqa: F821
 
 from .config import PolicyConfig
 from .core import CacheScoutPolicy, Hints, Observation
@@ -17,5 +62,5 @@ __all__ = [
     "END", "START", "AgentFingerprinter", "CacheScoutError", "CacheScoutPolicy", "ConfigError", "EvictionIndex",
     "Fingerprint", "Hints", "Observation", "PolicyConfig", "PrefetchAction", "PrefetchCandidate", "PrefetchPlanner",
     "SessionTracker", "StateDecodeError", "TransitionLearner", "TransitionSnapshot", "block_key", "block_keys",
-    "content_chunks", "content_sketch", "sketch_window",
+    "content_chunks", "content_sketch", "sketch_window", "NATIVE", "NATIVE_STATUS",
 ]

@@ -1,0 +1,99 @@
+"""Compile the hot modules with mypyc: the policy core's into `policy/_native/`, the replay
+engine's into `bench/_native/` (optional).
+
+The pure-Python sources stay the reference: `cachescout.policy` and `cachescout.bench` load these
+compiled modules only when they were built from exactly the sources next to them (a hash of each
+is recorded and checked at import), and run the sources otherwise. `CACHESCOUT_NATIVE=0` forces
+pure Python.
+
+    python tools/native.py      (needs mypy, setuptools and a C compiler)
+
+`make venv` runs it with a small pinned environment of its own (requirements/native.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# Every module a request or an eviction runs through. config (validation at start-up), errors and
+# state (msgpack, off the serving path) stay interpreted; so do the packages' __init__, which pick
+# the build, and the benchmark's policy adapters (tests and tools subclass them).
+COMPILED = {
+    "policy": ["core", "eviction", "scorer", "sessions", "fingerprint", "transitions", "guard", "costs", "prefetch"],
+    "bench": ["replay", "oracle", "baselines"],
+}
+GROUP = "cachescout.policy._native"   # one shared library, in policy/_native
+STAMP = "SOURCES.json"                # in policy/_native: what was compiled, from which sources
+
+
+def source_digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def build(root: Path) -> int:
+    """Compile the `COMPILED` modules of the packages under `root` into their `_native` folders."""
+    from mypyc.build import mypycify
+    from setuptools import setup
+
+    suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    with tempfile.TemporaryDirectory(prefix="cachescout-native-") as tmp:
+        # mypyc names modules after their folders: stage the sources as the packages they install as.
+        stage = Path(tmp) / "src"
+        (stage / "cachescout").mkdir(parents=True)
+        (stage / "cachescout" / "__init__.py").write_text("")
+        for package in COMPILED:
+            shutil.copytree(root / package, stage / "cachescout" / package,
+                            ignore=shutil.ignore_patterns("_native", "__pycache__", "data"))
+        rel = [f"cachescout/{package}/{m}.py" for package, modules in COMPILED.items() for m in modules]
+        lib = Path(tmp) / "lib"
+        cwd = Path.cwd()
+        try:
+            os.chdir(stage)   # mypyc resolves the packages from the working directory
+            # msgpack (state.py, not compiled) ships no type information.
+            extensions = mypycify(["--ignore-missing-imports", *rel], opt_level="3", separate=[(rel, GROUP)],
+                                  target_dir=str(Path(tmp) / "c"))
+            setup(name="cachescout-native", ext_modules=extensions, script_name="tools/native.py",
+                  script_args=["-q", "build_ext", "--build-lib", str(lib), "--build-temp", str(Path(tmp) / "obj")])
+        finally:
+            os.chdir(cwd)
+        for package, modules in COMPILED.items():
+            built = sorted((lib / "cachescout" / package).glob("*" + suffix))
+            expected = {f"{m}{suffix}" for m in modules}
+            if package == "policy":
+                expected.add(f"_native__mypyc{suffix}")   # the group's shared library
+            if {p.name for p in built} != expected:
+                raise SystemExit(f"mypyc built {[p.name for p in built]} in {package}, expected {sorted(expected)}")
+            out = root / package / "_native"
+            if out.exists():
+                shutil.rmtree(out)
+            out.mkdir()
+            for p in built:
+                shutil.copy2(p, out / p.name)
+    stamp = {"python": sys.version.split()[0], "ext_suffix": suffix,
+             "sources": {f"{package}/{m}.py": source_digest(root / package / f"{m}.py")
+                         for package, modules in COMPILED.items() for m in modules}}
+    (root / "policy" / "_native" / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
+    return len(rel)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", type=Path, default=ROOT,
+                    help="the folder holding policy/ and bench/ (the repository, or an installed cachescout/)")
+    args = ap.parse_args(argv)
+    n = build(args.root)
+    print(f"compiled {n} modules into {args.root}/{{{','.join(COMPILED)}}}/_native")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
