@@ -9,15 +9,18 @@ STAMP := $(VENV)/.installed
 # checkov's pins would fight vLLM's.
 TOOLS_PINS := requirements/deploy.txt
 TOOLS ?= $(HOME)/.cache/cachescout/tools-$(shell cat $(TOOLS_PINS) | sha256sum | cut -c1-12)
-# mypyc, to compile the policy core's and the replay engine's hot modules (tools/native.py); rebuilt
-# when a source changes. Both packages fall back to their sources when the build is missing or stale.
+# mypyc, to compile the policy core's, the GPU steering's and the replay engine's hot modules
+# (tools/native.py); rebuilt when a source changes. The packages fall back to their sources when the
+# build is missing or stale.
 NATIVE_PINS := requirements/native.txt
 NATIVE_ENV ?= $(HOME)/.cache/cachescout/native-$(shell cat $(NATIVE_PINS) | sha256sum | cut -c1-12)
 NATIVE_STAMP := policy/_native/SOURCES.json
 
-# The tests that pin the policy core's and the replay engine's behaviour, run again on the sources.
+# The tests that pin the policy core's, the GPU steering's and the replay engine's behaviour, run
+# again on the sources.
 PURE_TESTS := tests/test_policy.py tests/test_eviction.py tests/test_sessions.py tests/test_fingerprint.py \
-	tests/test_transitions.py tests/test_guard.py tests/test_prefetch.py tests/test_oracle.py tests/test_trace.py
+	tests/test_transitions.py tests/test_guard.py tests/test_prefetch.py tests/test_oracle.py tests/test_trace.py \
+	tests/test_connector_vllm.py
 
 .PHONY: bench test microbench state-bench manifests venv tools native clean-venv
 
@@ -27,8 +30,8 @@ venv: $(STAMP) $(NATIVE_STAMP)
 
 native: $(NATIVE_STAMP)
 
-$(NATIVE_STAMP): $(wildcard policy/*.py bench/*.py) tools/native.py $(NATIVE_ENV)/.installed
-	@echo "compiling the policy core and the replay engine with mypyc"
+$(NATIVE_STAMP): $(wildcard policy/*.py connector/*.py bench/*.py) tools/native.py $(NATIVE_ENV)/.installed
+	@echo "compiling the policy core, the GPU steering and the replay engine with mypyc"
 	@$(NATIVE_ENV)/bin/python tools/native.py >$(NATIVE_ENV)/build.log 2>&1 || { cat $(NATIVE_ENV)/build.log; exit 1; }
 
 $(NATIVE_ENV)/.installed: $(NATIVE_PINS)
@@ -60,7 +63,7 @@ bench: venv
 test: venv tools
 	$(VENV)/bin/ruff check -q policy bench connector tests tools deploy/render.py
 	CACHESCOUT_TOOLS=$(TOOLS) CACHESCOUT_EXPECT_NATIVE=1 $(PY) -m pytest $(ARGS)
-	@echo "again in pure Python: the policy core, the replay engine and their pinned figures"
+	@echo "again in pure Python: the policy core, the GPU steering, the replay engine, their pinned figures"
 	CACHESCOUT_NATIVE=0 $(PY) -m pytest -q $(PURE_TESTS)
 
 manifests: tools
@@ -73,4 +76,4 @@ state-bench: venv
 	$(PY) -m cachescout.bench.state_bench $(ARGS)
 
 clean-venv:
-	rm -rf $(VENV) $(TOOLS) $(NATIVE_ENV) policy/_native bench/_native
+	rm -rf $(VENV) $(TOOLS) $(NATIVE_ENV) policy/_native connector/_native bench/_native

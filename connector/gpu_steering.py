@@ -154,10 +154,8 @@ class GpuSteering:
         self._new.clear()
         unplanned = 0
         for rid, t in self._allocated.items():
-            keys = keys_of.pop(rid, None)
-            if keys is None:
-                keys = block_keys(t.request.block_hashes)
-            t.keys = keys
+            got = keys_of.pop(rid, None)
+            t.keys = keys = got if got is not None else block_keys(t.request.block_hashes)
             if rid in arrived_now:
                 unplanned += len(keys) + 1 - t.local_hit_tokens // policy.cfg.block_size
             self._admit(t)
@@ -170,7 +168,8 @@ class GpuSteering:
             rid = request.request_id
             self._hit_tokens.pop(rid, None)
             self._keys.pop(rid, None)   # finished (aborted) before it was ever allocated
-            self._release(self._running.pop(rid, None) or _Tracked(request), now)
+            tracked = self._running.pop(rid, None)
+            self._release(tracked if tracked is not None else _Tracked(request), now)
         self._finished.clear()
         # The next step allocates at most: the prompt blocks still to compute (of running and
         # waiting requests, past what is cached of them) up to the step's token budget, and one per

@@ -95,7 +95,7 @@ def test_stats_reach_vllm_as_connector_stats(runs):
     assert merged.data["steps"] == 2 * stats.data["steps"]
 
 
-@pytest.mark.parametrize("where", ["_steer", "finished"])
+@pytest.mark.parametrize("where", ["step", "finished"])
 def test_steering_failure_falls_back_to_vllm_order(short_workload, caplog, where):
     """A failure in the step's work or in a finished request's filing: vLLM carries on in its own
     order, and the connector stops queueing events nobody will drain."""
@@ -103,15 +103,23 @@ def test_steering_failure_falls_back_to_vllm_order(short_workload, caplog, where
     replay = VllmReplay(cfg, "cachescout")
     steering = replay.connector.steering
     calls = {"n": 0}
-    real = getattr(steering, where)
 
-    def flaky(*args):
-        calls["n"] += 1
-        if calls["n"] == 20:
-            raise RuntimeError("injected")
-        return real(*args)
+    class Flaky:
+        """The steering, failing once in `where` (a compiled class cannot be patched in place)."""
 
-    setattr(steering, where, flaky)
+        def __getattr__(self, name):
+            real = getattr(steering, name)
+            if name != where:
+                return real
+
+            def flaky(*args):
+                calls["n"] += 1
+                if calls["n"] == 20:
+                    raise RuntimeError("injected")
+                return real(*args)
+            return flaky
+
+    replay.connector._steering = Flaky()
     result = replay.run(sessions[:10])
     assert calls["n"] == 20                     # never called again after the failure
     assert len(result.calls) == sum(len(s.calls) for s in sessions[:10])

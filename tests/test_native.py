@@ -11,6 +11,7 @@ import sysconfig
 import pytest
 
 import cachescout.bench.replay
+import cachescout.connector.gpu_steering
 import cachescout.policy
 import cachescout.policy.eviction
 from cachescout.policy import sessions
@@ -28,11 +29,13 @@ def test_compiled_build_runs_where_it_was_built():
     assert cachescout.policy.NATIVE, cachescout.policy.NATIVE_STATUS
     assert cachescout.policy.eviction.__file__.endswith(SUFFIX)
     assert cachescout.bench.replay.__file__.endswith(SUFFIX)
+    assert cachescout.connector.gpu_steering.__file__.endswith(SUFFIX)
 
 
 def _status_of(top: str, **env: str) -> list:
     code = ("import cachescout.policy as p, cachescout.policy.eviction as e, cachescout.bench.replay as r; "
-            "import json; print(json.dumps([p.NATIVE, p.NATIVE_STATUS, e.__file__, r.__file__]))")
+            "import cachescout.connector.gpu_steering as g; "
+            "import json; print(json.dumps([p.NATIVE, p.NATIVE_STATUS, e.__file__, r.__file__, g.__file__]))")
     # A copy of the packages (and their builds) under `top`, imported as cachescout.*.
     out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": top, **env},
                          capture_output=True, text=True, timeout=120, check=True)
@@ -40,22 +43,23 @@ def _status_of(top: str, **env: str) -> list:
 
 
 @compiled
-def test_a_changed_source_sends_both_packages_back_to_pure_python(tmp_path):
+def test_a_changed_source_sends_every_package_back_to_pure_python(tmp_path):
     top = tmp_path / "site"
     pkg = top / "cachescout"
     root = os.path.dirname(POLICY_DIR)
     shutil.copytree(POLICY_DIR, pkg / "policy")
+    shutil.copytree(os.path.join(root, "connector"), pkg / "connector")
     shutil.copytree(os.path.join(root, "bench"), pkg / "bench", ignore=shutil.ignore_patterns("data"))
-    native, status, eviction, replay = _status_of(str(top))
-    assert native and eviction.endswith(SUFFIX) and replay.endswith(SUFFIX), status
+    native, status, *files = _status_of(str(top))
+    assert native and all(f.endswith(SUFFIX) and f.startswith(str(pkg)) for f in files), status
 
     with open(pkg / "bench" / "replay.py", "a") as f:
         f.write("\n# edited after compiling\n")
-    native, status, eviction, replay = _status_of(str(top))
+    native, status, *files = _status_of(str(top))
     assert not native and "bench/replay.py changed" in status
-    assert eviction.endswith("eviction.py") and replay.endswith("replay.py")
+    assert [os.path.basename(f) for f in files] == ["eviction.py", "replay.py", "gpu_steering.py"]
 
-    native, status, _, _ = _status_of(str(top), CACHESCOUT_NATIVE="0")
+    native, status, *_ = _status_of(str(top), CACHESCOUT_NATIVE="0")
     assert not native and "CACHESCOUT_NATIVE=0" in status
 
 

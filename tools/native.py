@@ -1,10 +1,10 @@
-"""Compile the hot modules with mypyc: the policy core's into `policy/_native/`, the replay
-engine's into `bench/_native/` (optional).
+"""Compile the hot modules with mypyc: the policy core's into `policy/_native/`, the vLLM
+connector's GPU steering into `connector/_native/`, the replay engine's into `bench/_native/`
+(optional).
 
-The pure-Python sources stay the reference: `cachescout.policy` and `cachescout.bench` load these
-compiled modules only when they were built from exactly the sources next to them (a hash of each
-is recorded and checked at import), and run the sources otherwise. `CACHESCOUT_NATIVE=0` forces
-pure Python.
+The pure-Python sources stay the reference: the packages load these compiled modules only when
+every one was built from exactly the source next to it (a hash of each is recorded and checked at
+import), and run the sources otherwise. `CACHESCOUT_NATIVE=0` forces pure Python.
 
     python tools/native.py      (needs mypy, setuptools and a C compiler)
 
@@ -26,9 +26,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Every module a request or an eviction runs through. config (validation at start-up), errors and
 # state (msgpack, off the serving path) stay interpreted; so do the packages' __init__, which pick
-# the build, and the benchmark's policy adapters (tests and tools subclass them).
+# the build, the connector's vLLM-facing parts, and the benchmark's policy adapters (tests and tools
+# subclass them).
 COMPILED = {
     "policy": ["core", "eviction", "scorer", "sessions", "fingerprint", "transitions", "guard", "costs", "prefetch"],
+    "connector": ["gpu_steering"],
     "bench": ["replay", "oracle", "baselines"],
 }
 GROUP = "cachescout.policy._native"   # one shared library, in policy/_native
@@ -58,8 +60,9 @@ def build(root: Path) -> int:
         cwd = Path.cwd()
         try:
             os.chdir(stage)   # mypyc resolves the packages from the working directory
-            # msgpack (state.py, not compiled) ships no type information.
-            extensions = mypycify(["--ignore-missing-imports", *rel], opt_level="3", separate=[(rel, GROUP)],
+            # msgpack and redis ship no type information; modules not compiled are not checked.
+            options = ["--ignore-missing-imports", "--follow-imports=silent"]
+            extensions = mypycify([*options, *rel], opt_level="3", separate=[(rel, GROUP)],
                                   target_dir=str(Path(tmp) / "c"))
             setup(name="cachescout-native", ext_modules=extensions, script_name="tools/native.py",
                   script_args=["-q", "build_ext", "--build-lib", str(lib), "--build-temp", str(Path(tmp) / "obj")])
@@ -88,7 +91,8 @@ def build(root: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--root", type=Path, default=ROOT,
-                    help="the folder holding policy/ and bench/ (the repository, or an installed cachescout/)")
+                    help="the folder holding policy/, connector/ and bench/ (the repository, or an installed "
+                         "cachescout/)")
     args = ap.parse_args(argv)
     n = build(args.root)
     print(f"compiled {n} modules into {args.root}/{{{','.join(COMPILED)}}}/_native")
