@@ -19,8 +19,6 @@ from typing import Any
 from .replay import Engine, EngineConfig, LRUPolicy, ReplayPolicy, Request, call_keys
 from .workloads import Session
 
-_NEVER = float("inf")
-
 
 class OraclePolicy(ReplayPolicy):
     name = "oracle"
@@ -28,32 +26,32 @@ class OraclePolicy(ReplayPolicy):
     def __init__(self, sessions: Sequence[Session], block_size: int) -> None:
         reference = Engine(EngineConfig(gpu_blocks=1 << 30, block_size=block_size), LRUPolicy()).run(sessions)
         arrival = {(r.session.session_id, r.index): r.issued_at for r in reference.requests}
-        # key -> future uses as (time, depth), in time order; consumed as calls arrive.
-        uses: dict[int, list[tuple[float, int]]] = defaultdict(list)
-        for s in sessions:
-            for i, call in enumerate(s.calls):
-                t = arrival[(s.session_id, i)]
-                for depth, key in enumerate(call_keys(call, block_size)):
-                    uses[key].append((t, depth))
+        calls = [(arrival[(s.session_id, i)], call_keys(call, block_size))
+                 for s in sessions for i, call in enumerate(s.calls)]
+        # A use at time t of a block at depth d gets the priority rank(t) * span + d: farther uses
+        # first, at equal times the deeper block first, in one integer (one comparison in the heap).
+        rank = {t: i for i, t in enumerate(sorted({t for t, _ in calls}))}
+        span = max((len(keys) for _, keys in calls), default=0) + 1
+        self._never = len(rank) * span   # no use left: before every block that has one
+        # key -> priorities of its future uses, latest first; consumed (popped) as calls arrive.
+        uses: dict[int, list[int]] = defaultdict(list)
+        for t, keys in calls:
+            base = rank[t] * span
+            for depth, key in enumerate(keys):
+                uses[key].append(base + depth)
         for lst in uses.values():
-            lst.sort()
-            lst.reverse()            # pop() gives the earliest
+            lst.sort(reverse=True)   # pop() gives the earliest
         self._uses = uses
         self._free: set[int] = set()
-        self._heap: list[tuple[float, int, int, int]] = []
+        self._heap: list[tuple[int, int, int]] = []   # (-priority, push number, key)
         self._stamp: dict[int, int] = {}
         self._tick = itertools.count()
 
-    def _next_use(self, key: int) -> tuple[float, int]:
-        lst = self._uses.get(key)
-        return lst[-1] if lst else (_NEVER, 1 << 30)
-
     def _push(self, key: int) -> None:
-        t, depth = self._next_use(key)
+        lst = self._uses.get(key)
         stamp = next(self._tick)
         self._stamp[key] = stamp
-        # Farthest next use first; at equal times the deeper block first.
-        heapq.heappush(self._heap, (-t, -depth, stamp, key))
+        heapq.heappush(self._heap, (-(lst[-1] if lst else self._never), stamp, key))
 
     def arrived(self, req: Request, now: float) -> None:
         # This call's uses are happening now: each of its blocks' next use moves on.
@@ -73,16 +71,16 @@ class OraclePolicy(ReplayPolicy):
         # `_push` inlined: this runs once per block of every finished call.
         self._free.update(keys)
         uses, stamps, tick, heap, push = self._uses, self._stamp, self._tick, self._heap, heapq.heappush
+        never = self._never
         for k, lst in zip(keys, map(uses.get, keys), strict=True):
-            t, depth = lst[-1] if lst else (_NEVER, 1 << 30)
             stamps[k] = stamp = next(tick)
-            push(heap, (-t, -depth, stamp, k))
+            push(heap, (-(lst[-1] if lst else never), stamp, k))
 
     def evict(self, n: int, now: float) -> list[Hashable]:
         out: list[Hashable] = []
         heap = self._heap
         while heap and len(out) < n:
-            _, _, stamp, key = heapq.heappop(heap)
+            _, stamp, key = heapq.heappop(heap)
             if key in self._free and self._stamp.get(key) == stamp:
                 self._free.discard(key)
                 del self._stamp[key]
