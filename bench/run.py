@@ -285,6 +285,15 @@ def format_table(report: dict) -> str:
     return render(head, rows)
 
 
+def _run_workload_as_built(family: str, opts: BenchOptions, build: str) -> dict:
+    """`run_workload` in a new interpreter, which must run the build this process runs: one that
+    imports after a source changed runs the sources, and its timings would not compare."""
+    if NATIVE_STATUS != build:
+        raise RuntimeError(f"the {family} run in a fresh process would use another build ({NATIVE_STATUS}) than "
+                           f"this one ({build}): did a source change during the run?")
+    return run_workload(family, opts, None)
+
+
 def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
     out = out or sys.stdout   # looked up now, so a redirected stdout is honoured
     reports = []
@@ -301,7 +310,7 @@ def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
             if progress:
                 progress(f"{family}: running in a fresh process ({i}/{len(families)} workloads done)")
             with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-                report = pool.submit(run_workload, family, opts, None).result()
+                report = pool.submit(_run_workload_as_built, family, opts, NATIVE_STATUS).result()
             reports.append(report)
             print(format_table(report) + "\n", file=out, flush=True)
     elif opts.jobs > 1 and len(families) > 1:

@@ -14,12 +14,13 @@ import sysconfig as _sysconfig
 
 
 def _compiled_build() -> tuple[bool, str]:
-    """Whether the compiled modules (policy/_native, bench/_native) may be used, and why (not):
-    only when every one of them was compiled from the source that sits next to it now."""
+    """Whether the compiled modules (policy/_native, connector/_native, bench/_native) may be used,
+    and why (not): only when every one of them was compiled from the source next to it now. All or
+    none: they share one library, and a mix would run code no test ran."""
     if _os.environ.get("CACHESCOUT_NATIVE", "1") == "0":
         return False, "pure Python (CACHESCOUT_NATIVE=0)"
     here = _os.path.dirname(_os.path.abspath(__file__))
-    top = _os.path.dirname(here)   # holds policy/ and bench/ (the repository, or site-packages/cachescout)
+    top = _os.path.dirname(here)   # holds policy/, connector/, bench/ (the repository or site-packages/cachescout)
     try:
         with open(_os.path.join(here, "_native", "SOURCES.json")) as f:
             stamp = _json.load(f)

@@ -41,6 +41,18 @@ def test_fresh_process_replays_each_workload_in_a_new_interpreter(tmp_path, monk
     assert all(w["results"][0]["token_hit_rate"] > 0 for w in report["workloads"])
 
 
+def test_a_fresh_process_on_another_build_is_refused(tmp_path, monkeypatch, capsys):
+    # A source edited while a report runs sends later fresh processes to the pure-Python sources:
+    # their timings would not compare with the others', so the run stops instead.
+    import cachescout.bench.run as bench_run
+
+    monkeypatch.setattr(bench_run, "NATIVE_STATUS", "the build this process started with")
+    rc = main(["bench", "--workloads", "gsm8k", "--sessions", "12", "--gpu-blocks", "900", "--policies", "lru",
+               "--no-sweeps", "--quiet", "--fresh-process", "--json", str(tmp_path / "r.json")])
+    assert rc == 1
+    assert "would use another build" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--policies", "lru,belady"], "unknown policy 'belady'"),
     (["--workloads", "chat"], "unknown workload 'chat'"),
