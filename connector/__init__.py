@@ -9,15 +9,11 @@
 
 from __future__ import annotations
 
-import os as _os
 from typing import Any
 
-from cachescout.policy import native_path as _native_path
+from cachescout.policy import compiled_first
 
-# The GPU steering runs compiled when the policy core does (see `cachescout.policy`).
-_native = _native_path(_os.path.dirname(_os.path.abspath(__file__)))
-if _native is not None:
-    __path__.insert(0, _native)  # noqa: F821 (the package's search path): compiled modules first
+compiled_first(__path__)  # noqa: F821: the GPU steering runs compiled when the policy core does
 
 from .settings import ConnectorSettings
 

@@ -40,14 +40,15 @@ def _compiled_build() -> tuple[bool, str]:
     return True, f"compiled with mypyc ({len(sources)} modules)"
 
 
-def native_path(package_dir: str) -> str | None:
-    """The folder of a package's compiled modules, to search before its sources; None: pure Python."""
-    return _os.path.join(package_dir, "_native") if NATIVE else None
+def compiled_first(package_path: list[str]) -> None:
+    """Make a package (by its `__path__`) find its compiled modules, in its `_native` folder, before
+    its sources, when the compiled build is in use."""
+    if NATIVE:
+        package_path.insert(0, _os.path.join(package_path[0], "_native"))
 
 
 NATIVE, NATIVE_STATUS = _compiled_build()
-if NATIVE:
-    __path__.insert(0, _os.path.join(_os.path.dirname(_os.path.abspath(__file__)), "_native"))  # noqa: F821
+compiled_first(__path__)  # noqa: F821 (the package's search path)
 
 from .config import PolicyConfig
 from .core import CacheScoutPolicy, Hints, Observation

@@ -469,9 +469,9 @@ class EvictionIndex:
 
     def _unlink(self, b: Block) -> None:
         g = b.group
-        was_head = b.prev is None
         prev, nxt = b.prev, b.next
-        if prev is None:
+        was_head = prev is None
+        if prev is None:   # (not `was_head`: mypy narrows `prev` only on the test itself)
             g.head = nxt
         else:
             prev.next = nxt

@@ -52,6 +52,7 @@ class _Shared:
     def __init__(self, members: tuple) -> None:
         self.members = members
 
+
 _CROSSED = object()    # `via` value: the session went into two different children
 _VIA_SESSIONS = 64     # sessions remembered per shared prefix
 _SESSIONS_PER_AGENT = 3  # sessions per child above which children are agents, not task text

@@ -81,9 +81,9 @@ def build(root: Path) -> int:
             out.mkdir()
             for p in built:
                 shutil.copy2(p, out / p.name)
-    stamp = {"python": sys.version.split()[0], "ext_suffix": suffix,
-             "sources": {f"{package}/{m}.py": source_digest(root / package / f"{m}.py")
-                         for package, modules in COMPILED.items() for m in modules}}
+        # The hashes of the very files compiled (the staged copies), not of the sources as they are now.
+        stamp = {"python": sys.version.split()[0], "ext_suffix": suffix,
+                 "sources": {name.removeprefix("cachescout/"): source_digest(stage / name) for name in rel}}
     (root / "policy" / "_native" / STAMP).write_text(json.dumps(stamp, indent=1) + "\n")
     return len(rel)
 
