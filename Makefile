@@ -34,12 +34,17 @@ $(NATIVE_STAMP): $(wildcard policy/*.py connector/*.py bench/*.py) tools/native.
 	@echo "compiling the policy core, the GPU steering and the replay engine with mypyc"
 	@$(NATIVE_ENV)/bin/python tools/native.py >$(NATIVE_ENV)/build.log 2>&1 || { cat $(NATIVE_ENV)/build.log; exit 1; }
 
-$(NATIVE_ENV)/.installed: $(NATIVE_PINS)
-	@echo "building $(NATIVE_ENV)"
-	@$(PYTHON) -m venv $(NATIVE_ENV)
-	@$(NATIVE_ENV)/bin/python -m pip install -q pip==26.3
-	@$(NATIVE_ENV)/bin/python -m pip install -q -r $(NATIVE_PINS)
+# A small environment of its own from a pins file (the target's folder; the first prerequisite).
+define small_env
+	@echo "building $(@D)"
+	@$(PYTHON) -m venv $(@D)
+	@$(@D)/bin/python -m pip install -q pip==26.3
+	@$(@D)/bin/python -m pip install -q -r $<
 	@touch $@
+endef
+
+$(NATIVE_ENV)/.installed: $(NATIVE_PINS)
+	$(small_env)
 
 $(STAMP): $(PINS)
 	@echo "building $(VENV)"
@@ -51,11 +56,7 @@ $(STAMP): $(PINS)
 tools: $(TOOLS)/.installed
 
 $(TOOLS)/.installed: $(TOOLS_PINS)
-	@echo "building $(TOOLS)"
-	@$(PYTHON) -m venv $(TOOLS)
-	@$(TOOLS)/bin/python -m pip install -q pip==26.3
-	@$(TOOLS)/bin/python -m pip install -q -r $(TOOLS_PINS)
-	@touch $@
+	$(small_env)
 
 bench: venv
 	$(VENV)/bin/cachescout bench $(ARGS)
