@@ -14,14 +14,11 @@ vLLM's LRU free queue. Choosing victims reads state only; `evict` is the one cal
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import math
 from collections.abc import Hashable, Iterable, Iterator
 
 _AGE_FLOOR_S = 1e-3
 _HEAP_HORIZON_S = 0.1   # `evict`'s heap keys serve as bounds this long (scorers rescore about as often)
-_push = itertools.count()
 
 
 def _key(g: Group, b: Block, now: float) -> float:
@@ -32,13 +29,11 @@ def _key(g: Group, b: Block, now: float) -> float:
     return age if c <= 0.0 else c * g.model + (1.0 - c) * age
 
 
-def _entry(g: Group, at: float) -> tuple:
-    """Heap entry of group `g`'s head, keyed at `at`: (-key, seq, push number, head, group, the
-    group's stamp). heapq pops the smallest, so the key is negated (the farthest next use comes
-    first); ties go to the block freed first, as in LRU; the push number keeps entries comparable."""
+def _entry(g: Group, at: float, push: int) -> _Entry:
+    """Heap entry of group `g`'s head, keyed at `at`."""
     b = g.head
     assert b is not None, "only groups with a free block have a head entry"
-    return (-_key(g, b, at), b.seq, next(_push), b, g, g.stamp)
+    return _Entry(-_key(g, b, at), b.seq, push, b, g, g.stamp)
 
 
 class Block:
@@ -91,6 +86,76 @@ class Group:
         return f"Group({self.gid!r}, {self.kind}, free={self.n_free}/{self.n_blocks})"
 
 
+class _Entry:
+    """A group head in a heap. The heap's top is the smallest (neg, seq, push): the key is negated
+    (the farthest next use comes first), ties go to the block freed first, as in LRU, and the push
+    number makes the order total. `stamp` is the group's when pushed (a later one makes it stale)."""
+
+    __slots__ = ("neg", "seq", "push", "block", "group", "stamp")
+
+    def __init__(self, neg: float, seq: int, push: int, block: Block, group: Group, stamp: int) -> None:
+        self.neg = neg
+        self.seq = seq
+        self.push = push
+        self.block = block
+        self.group = group
+        self.stamp = stamp
+
+
+# A binary min-heap of entries on a list, as heapq's, with the comparison compiled in (heapq
+# compares through Python's protocol, which cost more than the rest of a victim's choice).
+def _before(a: _Entry, b: _Entry) -> bool:
+    if a.neg != b.neg:
+        return a.neg < b.neg
+    if a.seq != b.seq:
+        return a.seq < b.seq
+    return a.push < b.push
+
+
+def _heap_push(heap: list[_Entry], e: _Entry) -> None:
+    heap.append(e)
+    i = len(heap) - 1
+    while i > 0:
+        parent = (i - 1) >> 1
+        p = heap[parent]
+        if not _before(e, p):
+            break
+        heap[i] = p
+        i = parent
+    heap[i] = e
+
+
+def _sift_down(heap: list[_Entry], i: int, e: _Entry) -> None:
+    """Place `e` at `i` or below, moving smaller children up."""
+    n = len(heap)
+    while True:
+        c = 2 * i + 1
+        if c >= n:
+            break
+        if c + 1 < n and _before(heap[c + 1], heap[c]):
+            c += 1
+        child = heap[c]
+        if not _before(child, e):
+            break
+        heap[i] = child
+        i = c
+    heap[i] = e
+
+
+def _heap_pop(heap: list[_Entry]) -> _Entry:
+    last = heap.pop()
+    if not heap:
+        return last
+    top = heap[0]
+    _sift_down(heap, 0, last)
+    return top
+
+
+def _heapify(heap: list[_Entry]) -> None:
+    for i in range(len(heap) // 2 - 1, -1, -1):
+        _sift_down(heap, i, heap[i])
+
+
 class EvictionIndex:
     """Free cached blocks of a KV cache tier, and the order to evict them in."""
 
@@ -105,7 +170,8 @@ class EvictionIndex:
         # Heap of group heads for `evict`, valid for one set of scores and keyed at a time just
         # ahead (see `evict`); stale entries are skipped by stamp, so keeping it current costs one
         # push per head change.
-        self._heap: list[tuple] = []
+        self._heap: list[_Entry] = []
+        self._pushes = 0   # entries made (their tie-breaking push numbers)
         self._heap_until: float | None = None   # the time the heap's keys are taken at
         self._heap_epoch = -1
         self.epoch = 0  # bumped by `scores_changed()`
@@ -263,12 +329,13 @@ class EvictionIndex:
         to the slow drift of blocks' ages (a cache may keep the answer until the version moves)."""
         if n <= 0 or self.n_free == 0:
             return []
-        heap = [_entry(g, now) for g in self._headed]
-        heapq.heapify(heap)
+        heap = [_entry(g, now, i) for i, g in enumerate(self._headed)]
+        pushes = len(heap)
+        _heapify(heap)
         out: list[Hashable] = []
         log = math.log
         while heap and len(out) < n:
-            b = heapq.heappop(heap)[3]
+            b = _heap_pop(heap).block
             out.append(b.key)
             # Take the group's next blocks for as long as they still beat every other group's head
             # (a whole group often goes before the next: one heap operation instead of one each).
@@ -277,11 +344,12 @@ class EvictionIndex:
             c = g.conf
             cm, w = c * g.model, 1.0 - c
             nxt = b.next
-            top_key, top_seq = (heap[0][0], heap[0][1]) if heap else (math.inf, 0)
+            top_key, top_seq = (heap[0].neg, heap[0].seq) if heap else (math.inf, 0)
             if nxt is not None:
                 # Keys only fall along a group's list (see `release`): when its last block beats
                 # the top, all of its blocks do.
                 tail = g.tail
+                assert tail is not None
                 neg = -_key(g, tail, now)
                 if neg < top_key or (neg == top_key and tail.seq < top_seq):
                     while nxt is not None and len(out) < n:
@@ -292,7 +360,8 @@ class EvictionIndex:
                 age = log(max(now - nxt.freed_at, 0.0) + _AGE_FLOOR_S)
                 neg = -age if c <= 0.0 else -(cm + w * age)
                 if neg > top_key or (neg == top_key and nxt.seq > top_seq):
-                    heapq.heappush(heap, (neg, nxt.seq, next(_push), nxt))
+                    pushes += 1
+                    _heap_push(heap, _Entry(neg, nxt.seq, pushes, nxt, g, g.stamp))
                     break
                 out.append(nxt.key)
                 nxt = nxt.next
@@ -320,8 +389,9 @@ class EvictionIndex:
         if self._heap_epoch != self.epoch or self._heap_until is None or now > self._heap_until:
             self._heap_epoch = self.epoch
             self._heap_until = until = now + _HEAP_HORIZON_S
-            heap = self._heap = [_entry(g, until) for g in self._headed]
-            heapq.heapify(heap)
+            heap = self._heap = [_entry(g, until, self._pushes + i) for i, g in enumerate(self._headed)]
+            self._pushes += len(heap)
+            _heapify(heap)
         heap = self._heap
         out: list[Hashable] = []
         blocks = self._blocks
@@ -335,9 +405,9 @@ class EvictionIndex:
             g = b.group
             c = g.conf
             cm, w = c * g.model, 1.0 - c
-            while heap and heap[0][4].stamp != heap[0][5]:
-                heapq.heappop(heap)   # stale: its group's head changed since
-            top_key, top_seq = (heap[0][0], heap[0][1]) if heap else (math.inf, 0)
+            while heap and heap[0].group.stamp != heap[0].stamp:
+                _heap_pop(heap)   # stale: its group's head changed since
+            top_key, top_seq = (heap[0].neg, heap[0].seq) if heap else (math.inf, 0)
             tail = g.tail
             assert tail is not None
             neg = -_key(g, tail, now)
@@ -376,20 +446,21 @@ class EvictionIndex:
         """Pop the heap entry of the group whose head is the next victim at `now` (its exact key is
         the highest, ties to the block freed first); None when nothing is free."""
         heap = self._heap
-        best: tuple | None = None
-        best_key = best_seq = 0.0
-        passed = []
+        best: _Entry | None = None
+        best_key = 0.0
+        best_seq = 0
+        passed: list[_Entry] = []
         while heap:
             top = heap[0]
-            g = top[4]
-            if g.stamp != top[5]:
-                heapq.heappop(heap)   # stale
+            g = top.group
+            if g.stamp != top.stamp:
+                _heap_pop(heap)   # stale
                 continue
-            bound, seq = -top[0], top[1]
+            bound, seq = -top.neg, top.seq
             if best is not None and (bound < best_key or (bound == best_key and seq > best_seq)):
                 break   # nothing left can beat the best
-            heapq.heappop(heap)
-            key = _key(g, top[3], now)
+            _heap_pop(heap)
+            key = _key(g, top.block, now)
             if best is None or key > best_key or (key == best_key and seq < best_seq):
                 if best is not None:
                     passed.append(best)
@@ -397,8 +468,8 @@ class EvictionIndex:
             else:
                 passed.append(top)
         for entry in passed:
-            heapq.heappush(heap, entry)
-        return None if best is None else best[3]
+            _heap_push(heap, entry)
+        return None if best is None else best.block
 
     def rescored(self, g: Group) -> None:
         """A scorer rewrote one group's `model`/`conf` (not all of them): re-key its head."""
@@ -418,7 +489,8 @@ class EvictionIndex:
         else:
             self._headed[g] = None
         if self._heap_until is not None and g.head is not None:
-            heapq.heappush(self._heap, _entry(g, self._heap_until))
+            self._pushes += 1
+            _heap_push(self._heap, _entry(g, self._heap_until, self._pushes))
 
     # -- linked-list plumbing (O(1), no allocation) --------------------------------------------
     def _link_sorted(self, b: Block) -> None:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import NamedTuple, cast
+from typing import cast
 
 from .config import PolicyConfig
 from .costs import RebuildCost
@@ -80,14 +80,18 @@ def _is_current(current: Mapping[str, int], g: Group) -> bool:
     return g.agent is not None and current.get(g.agent) == cast(tuple, g.gid)[2]
 
 
-class _Row(NamedTuple):
+class _Row:
     """What the chain predicts after a source agent, within the prediction horizon."""
 
-    version: int                  # the learner's version it was computed at
-    reach: dict[str, float]       # agent -> P(called within the horizon)
-    conf: float                   # confidence in the row (0 below min_confidence)
-    extra: dict[str, float]       # agent -> expected calls before its first use, given it happens
-    uses: tuple[tuple[str, float, float], ...]   # (agent, reach, extra) of the real agents, for scoring
+    __slots__ = ("version", "reach", "conf", "extra", "uses")
+
+    def __init__(self, version: int, reach: dict[str, float], conf: float, extra: dict[str, float],
+                 uses: tuple[tuple[str, float, float], ...]) -> None:
+        self.version = version    # the learner's version it was computed at
+        self.reach = reach        # agent -> P(called within the horizon)
+        self.conf = conf          # confidence in the row (0 below min_confidence)
+        self.extra = extra        # agent -> expected calls before its first use, given it happens
+        self.uses = uses          # (agent, reach, extra) of the real agents, for scoring
 
 
 class SurvivalScorer:
@@ -106,7 +110,10 @@ class SurvivalScorer:
         self._elapsed = 0.0           # ... over time-decayed seconds
         self._last_arrival_at: float | None = None
         self._rows: dict[str, _Row] = {}
-        self._scored_at: tuple | None = None
+        # What the last scoring was computed for (the chain's refresh count, trust, time tick).
+        self._scored_refresh = -1
+        self._scored_trust = 0
+        self._scored_tick = 0.0
 
     def note_new_session(self, now: float) -> None:
         if self._last_arrival_at is not None and now > self._last_arrival_at:
@@ -136,7 +143,7 @@ class SurvivalScorer:
     def _row(self, src: str) -> _Row:
         version = self.learner.version
         got = self._rows.get(src)
-        if got is not None and version - got[0] < self.cfg.model_refresh_interval:
+        if got is not None and version - got.version < self.cfg.model_refresh_interval:
             return got
         reach: dict[str, float] = {}
         extra: dict[str, float] = {}
@@ -224,11 +231,12 @@ class SurvivalScorer:
         # once: on routing without a pattern its confidence falls with every few updates, and
         # leaving that to the clock cost 0.3 points of hit rate and up to 12% of TTFT there.
         interval = self.cfg.rescore_interval_s
-        stamp = (self.learner.version // self.cfg.model_refresh_interval, round(trust, 2),
-                 int(now / interval) if interval > 0 else now)
-        if stamp == self._scored_at:
+        refresh = self.learner.version // self.cfg.model_refresh_interval
+        trusted = int(trust * 100.0 + 0.5)   # in hundredths
+        tick = float(int(now / interval)) if interval > 0 else now
+        if refresh == self._scored_refresh and trusted == self._scored_trust and tick == self._scored_tick:
             return
-        self._scored_at = stamp
+        self._scored_refresh, self._scored_trust, self._scored_tick = refresh, trusted, tick
         step = max(self.step_s, 1e-3)
         # Per live session: expected time to its next call and whether it is still going; its use
         # rate for agent x is alive * P(x within the horizon) / (time to the call that uses x).
@@ -244,22 +252,12 @@ class SurvivalScorer:
         current = self.current_anchor
         wanted = {g.agent for g in free_groups if g.kind == "anchor" and _is_current(current, g)}
 
-        def session_view(s: Session, agent: str) -> tuple[float, float, _Row, str | None]:
-            got = per_agent.get(agent)
-            if got is None:
-                row = self._row(agent)
-                got = per_agent[agent] = (row, max(self.think.get(agent), 1e-3), self.duration.get(agent),
-                                          tuple(u for u in row.uses if u[0] in wanted))
-            t_next, alive = _next_call(s, now, got[1], got[2])
-            view = per_session[s.sid] = (t_next, alive, got[0], overrides.get(s.sid) if overrides else None)
-            return view
-
         # Sessions idle long enough are all but certainly over: they add nothing to the anchors'
         # rates (their own contexts are scored below, when they have free blocks).
         for s in self.sessions.recent(now, max(self.think.longest(), 1e-3) * _ALIVE_IDLE_THINKS):
             if s.agent is None:
                 continue
-            t_next, alive, row, nxt = session_view(s, s.agent)
+            t_next, alive, row, nxt = self._session_view(s, s.agent, now, per_agent, per_session, overrides, wanted)
             for x, p, e in per_agent[s.agent][3]:
                 anchor_rate[x] = anchor_rate.get(x, 0.0) + alive * p / (t_next + e * step)
             if nxt is not None:
@@ -296,7 +294,7 @@ class SurvivalScorer:
                     elif ses.agent is None or agent is None:
                         rate, conf = 0.0, 0.0              # nothing known: LRU
                     else:
-                        got = session_view(ses, ses.agent)
+                        got = self._session_view(ses, ses.agent, now, per_agent, per_session, overrides, wanted)
                 if got is not None and agent is not None:
                     t_next, alive, row, nxt = got
                     p = row.reach.get(agent, 0.0)
@@ -333,5 +331,21 @@ class SurvivalScorer:
                 g.model = floor
         index.scores_changed()
 
+    def _session_view(self, s: Session, agent: str, now: float,
+                      per_agent: dict[str, tuple[_Row, float, float, tuple]],
+                      per_session: dict[object, tuple[float, float, _Row, str | None]],
+                      overrides: Mapping[object, str] | None, wanted: set[str | None]
+                      ) -> tuple[float, float, _Row, str | None]:
+        """`score`'s view of one session (filed in `per_session`): (time to its next call,
+        probability it is still going, its agent's row, the agent it is hinted to call next)."""
+        got = per_agent.get(agent)
+        if got is None:
+            row = self._row(agent)
+            got = per_agent[agent] = (row, max(self.think.get(agent), 1e-3), self.duration.get(agent),
+                                      tuple(u for u in row.uses if u[0] in wanted))
+        t_next, alive = _next_call(s, now, got[1], got[2])
+        view = per_session[s.sid] = (t_next, alive, got[0], overrides.get(s.sid) if overrides else None)
+        return view
+
     def invalidate(self) -> None:
-        self._scored_at = None
+        self._scored_refresh = -1
