@@ -118,7 +118,7 @@ class KVFlowPolicy(ReplayPolicy):
 
     def __init__(self, sessions: Sequence[Session], block_size: int) -> None:
         counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        keys_by_agent: dict[str, list[list[int]]] = defaultdict(list)
+        keys_by_agent: dict[str, list[list[Hashable]]] = defaultdict(list)
         for s in sessions:
             agents = [c.agent for c in s.calls]
             for a, b in zip(agents, agents[1:] + [self._END], strict=True):
@@ -280,7 +280,7 @@ class KVFlowPolicy(ReplayPolicy):
         return keys
 
 
-def _common_prefix(seqs: Sequence[Sequence[int]]) -> list[int]:
+def _common_prefix(seqs: Sequence[Sequence[Hashable]]) -> list[Hashable]:
     if not seqs:
         return []
     first = seqs[0]

@@ -40,7 +40,7 @@ class OraclePolicy(ReplayPolicy):
         span = max((len(keys) for _, keys in calls), default=0) + 1
         self._never = len(rank) * span   # no use left: before every block that has one
         # key -> priorities of its future uses, latest first; consumed (popped) as calls are admitted.
-        uses: dict[int, list[int]] = {}
+        uses: dict[Hashable, list[int]] = {}
         for t, keys in calls:
             base = rank[t] * span
             for depth, key in enumerate(keys):
@@ -51,16 +51,16 @@ class OraclePolicy(ReplayPolicy):
         for lst in uses.values():
             lst.sort(reverse=True)   # pop() gives the earliest
         self._uses = uses
-        self._free: set[int] = set()
+        self._free: set[Hashable] = set()
         # A max-heap of free blocks by next use, as one integer per entry: (never - priority) in the
         # high bits, the push number in the low ones (equal priorities: the earlier push first). A
         # block's entry is its latest push (`_stamp`); older ones are skipped when they come up, and
         # the heap is rebuilt when they outnumber the live ones.
         self._heap: list[int] = []
-        self._pushed: list[int] = []        # push number -> key
-        self._stamp: dict[int, int] = {}    # key -> its latest push number (a free key: its live entry)
+        self._pushed: list[Hashable] = []   # push number -> key
+        self._stamp: dict[Hashable, int] = {}   # key -> its latest push number (a free key: its live entry)
 
-    def _push(self, key: int) -> None:
+    def _push(self, key: Hashable) -> None:
         lst = self._uses.get(key)
         stamp = self._stamp[key] = len(self._pushed)
         self._pushed.append(key)

@@ -236,8 +236,11 @@ class Request:
     call: Any                    # a workload Call or a trace record (same interface)
     issued_at: float
     tokens: list[int] | None = None  # prompt token ids (None when replaying a trace of hashes)
-    hashes: list[int] = dataclasses.field(default_factory=list)     # full prompt blocks
-    keys: list[int] = dataclasses.field(default_factory=list)       # cached blocks held (prompt, then output)
+    # Block keys are kept as the objects they were made as (ints here, typed Hashable so that
+    # compiled code passes them on as they are: unboxed and boxed again, an int would be a new
+    # object for every dict look-up).
+    hashes: list[Hashable] = dataclasses.field(default_factory=list)     # full prompt blocks
+    keys: list[Hashable] = dataclasses.field(default_factory=list)       # cached blocks held (prompt, then output)
     prompt_len: int = 0
     output_len: int = 0
     computed: int = 0            # prompt tokens computed so far
@@ -325,10 +328,10 @@ class _Decoding:
 _admission_order = operator.attrgetter("admitted")
 
 
-def call_keys(call, block_size: int) -> list[int]:
+def call_keys(call, block_size: int) -> list[Hashable]:
     """Block keys of a call's prompt: chained hashes of its tokens, or a trace record's ids."""
     tokens = call.prompt_tokens()
-    return chain_hashes(tokens, block_size) if tokens is not None else call.block_keys(block_size)
+    return chain_hashes(tokens, block_size) if tokens is not None else cast(list, call.block_keys(block_size))
 
 
 class PromptKeys:
@@ -338,9 +341,9 @@ class PromptKeys:
 
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
-        self._keys: dict[int, tuple[object, list[int]]] = {}   # id(content) -> (content, keys)
+        self._keys: dict[int, tuple[object, list[Hashable]]] = {}   # id(content) -> (content, keys)
 
-    def __call__(self, call) -> list[int]:
+    def __call__(self, call) -> list[Hashable]:
         content = call.segments if hasattr(call, "segments") else call.hash_ids   # workload call / trace record
         got = self._keys.get(id(content))
         if got is None or got[0] is not content:
@@ -348,9 +351,9 @@ class PromptKeys:
         return got[1]
 
 
-def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = 0, start: int = 0) -> list[int]:
+def chain_hashes(tokens: Sequence[int], block_size: int, parent: int = 0, start: int = 0) -> list[Hashable]:
     """vLLM-style chained hashes of the full blocks of tokens[start:]."""
-    out = []
+    out: list[Hashable] = []
     h = parent
     for i in range(start, len(tokens) - block_size + 1, block_size):
         h = hash((h, tuple(tokens[i:i + block_size])))
@@ -419,7 +422,7 @@ class Engine:
         self.cfg = cfg
         self.policy = policy
         self.prompt_keys = prompt_keys or PromptKeys(cfg.block_size)
-        self.ref: dict[int, int] = {}         # cached block hash -> reference count
+        self.ref: dict[Hashable, int] = {}    # cached block hash -> reference count
         self.empty = cfg.gpu_blocks           # blocks holding nothing
         self.cached_free = 0                  # cached blocks with no reference
         self.now = 0.0
@@ -430,7 +433,7 @@ class Engine:
         self.redis = TierStore("redis", cfg.redis_blocks) if tiers and cfg.redis_blocks else None
         self._load_s = 0.0                    # tier loads done for the step being built
         self.load_s_total = 0.0
-        self._prefetched: set[int] = set()    # prefetched blocks not yet used or evicted
+        self._prefetched: set[Hashable] = set()   # prefetched blocks not yet used or evicted
         self.prefetch_issued = 0
         self.prefetch_used = 0
         self.prefetch_wasted = 0
@@ -445,7 +448,7 @@ class Engine:
             return "redis"
         return None
 
-    def _store(self, keys: Sequence[int]) -> None:
+    def _store(self, keys: Sequence[Hashable]) -> None:
         """Write-through, as LMCache stores every computed block into its tiers."""
         if self.cpu is not None and keys:
             dropped = self.cpu.put(keys)
@@ -476,7 +479,7 @@ class Engine:
         self.empty -= n
         return True
 
-    def _hold(self, keys: Sequence[int]) -> list[int]:
+    def _hold(self, keys: Sequence[Hashable]) -> list[Hashable]:
         """Take references on cached blocks; returns those that were free (now reused)."""
         ref = self.ref
         reused = []
@@ -548,7 +551,7 @@ class Engine:
             req.redis_hit_tokens = bs * sum(n for t, n in loads if t == "redis")
             req.hit_tokens = req.gpu_hit_tokens + req.cpu_hit_tokens + req.redis_hit_tokens
         req.computed = end * bs
-        req.last_hash = hashes[-1] if hashes else 0
+        req.last_hash = cast(int, hashes[-1]) if hashes else 0
         req.running = True
         self.policy.admitted(req, req.keys, hit, self.now)
         if loads:
@@ -575,16 +578,17 @@ class Engine:
                 h = req.call.output_key(total // bs - len(req.hashes) - 1, req.last_hash)
             req.last_hash = h
             req.partial_blocks -= 1
-            if h in self.ref:                    # the same content is cached: share it, drop ours
-                reused = self._hold([h])
+            key: Hashable = h                    # one object for every use below
+            if key in self.ref:                  # the same content is cached: share it, drop ours
+                reused = self._hold([key])
                 if reused:
                     self.policy.reused(reused, self.now)
                 self.empty += 1
             else:
-                self.ref[h] = 1
-            req.keys.append(h)
-            self.policy.cached(req, [h], self.now)
-            self._store([h])
+                self.ref[key] = 1
+            req.keys.append(key)
+            self.policy.cached(req, [key], self.now)
+            self._store([key])
         return True
 
     @staticmethod

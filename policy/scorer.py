@@ -149,8 +149,7 @@ class SurvivalScorer:
         extra: dict[str, float] = {}
         if self.learner.has_row(src):
             before: dict[str, float] = {}
-            for k in range(1, self.cfg.prediction_horizon + 1):
-                cumulative = self.learner.reach(src, k)
+            for k, cumulative in enumerate(self.learner.reach_within(src, self.cfg.prediction_horizon), 1):
                 for x, p in cumulative.items():
                     first_at_k = p - before.get(x, 0.0)
                     if first_at_k > 0:

@@ -49,15 +49,17 @@ def content_chunks(tokens: Sequence[int], start: int, window: int) -> list[int]:
     A cut falls after token i when a hash of tokens i-1 and i has its low bits zero, so the same
     text is cut the same way at any offset; the partial chunks at both ends are dropped.
     """
-    end = min(len(tokens), start + window)
+    begin = max(start, 0)
+    # One tuple of the window: indexing it is cheap, and its slices are the chunks (one copy each).
+    toks: tuple[int, ...] = tuple(tokens[begin:min(len(tokens), start + window)])
     out: list[int] = []
     last_cut = -1
-    prev = tokens[start - 1] if start > 0 else 0
-    for i in range(max(start, 0), end):
-        tok = tokens[i]
+    prev = tokens[begin - 1] if begin > 0 else 0
+    for i in range(len(toks)):
+        tok = toks[i]
         if ((tok * _MIX_LO) ^ (prev * _MIX_PREV_LO)) >> 17 & _CUT_MASK == 0:
             if last_cut >= 0:
-                out.append(hash(tuple(tokens[last_cut:i + 1])))
+                out.append(hash(toks[last_cut:i + 1]))
             last_cut = i + 1
         prev = tok
     return out

@@ -196,29 +196,32 @@ class TransitionLearner:
         First-passage recursion h_k(a, X) = P(a, X) + sum_{Y != X} P(a, Y) h_{k-1}(Y, X), over the
         sparse rows; END absorbs (a finished session calls nothing more).
         """
+        return self.reach_within(src, steps)[-1]
+
+    def reach_within(self, src: str, steps: int) -> list[dict[str, float]]:
+        """`reach(src, k)` for k = 1 .. steps, computed together."""
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         memo: dict[tuple[str, int], dict[str, float]] = {}
+        return [self._first_passage(src, k, memo) for k in range(1, steps + 1)]
 
-        def h(a: str, k: int) -> dict[str, float]:
-            key = (a, k)
-            got = memo.get(key)
-            if got is not None:
-                return got
-            first = self.probabilities(a)
-            out = dict(first)
-            if k > 1:
-                for y, py in first.items():
-                    if y == END or py < _REACH_EPS:
-                        continue
-                    for x, px in h(y, k - 1).items():
-                        if x != y:
-                            out[x] = out.get(x, 0.0) + py * px
-            out = {x: min(1.0, p) for x, p in out.items() if p >= _REACH_EPS}
-            memo[key] = out
-            return out
-
-        return h(src, steps)
+    def _first_passage(self, a: str, k: int, memo: dict[tuple[str, int], dict[str, float]]) -> dict[str, float]:
+        key = (a, k)
+        got = memo.get(key)
+        if got is not None:
+            return got
+        first = self.probabilities(a)
+        out = dict(first)
+        if k > 1:
+            for y, py in first.items():
+                if y == END or py < _REACH_EPS:
+                    continue
+                for x, px in self._first_passage(y, k - 1, memo).items():
+                    if x != y:
+                        out[x] = out.get(x, 0.0) + py * px
+        out = {x: min(1.0, p) for x, p in out.items() if p >= _REACH_EPS}
+        memo[key] = out
+        return out
 
     def decayed_rows(self) -> dict[str, dict[str, float]]:
         """Every row as decayed counts (what a snapshot stores)."""
