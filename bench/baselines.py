@@ -20,13 +20,14 @@ import heapq
 import math
 from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Hashable, Sequence
+from typing import Final
 
 from cachescout.policy import EvictionIndex
 
 from .replay import ReplayPolicy, Request, call_keys
 from .workloads import Session
 
-_EMA = 0.1
+_EMA: Final = 0.1
 
 
 class ContinuumPolicy(ReplayPolicy):

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from .replay import Engine, EngineConfig, LRUPolicy, ReplayPolicy, Request, call_keys
 from .workloads import Session
 
-_STAMP_BITS = 32   # a heap entry's low bits: its push number
-_STAMP_MASK = (1 << _STAMP_BITS) - 1
+_STAMP_BITS: Final = 32   # a heap entry's low bits: its push number
+_STAMP_MASK: Final = (1 << _STAMP_BITS) - 1
 
 
 class OraclePolicy(ReplayPolicy):

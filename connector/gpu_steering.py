@@ -38,13 +38,13 @@ import operator
 import time
 from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from cachescout.policy import CacheScoutPolicy, Hints, block_keys
 
-_MAX_STALE_ROUNDS = 4   # victim lists re-asked after dropping evicted blocks from the mirror
-_ARRIVAL_DECAY = 0.9    # per step, of the peak of blocks taken by requests arriving between steps
-_PLACE_FACTOR = 2       # victims placed per victim wanted: the list lasts a few steps
+_MAX_STALE_ROUNDS: Final = 4   # victim lists re-asked after dropping evicted blocks from the mirror
+_ARRIVAL_DECAY: Final = 0.9    # per step, of the peak of blocks taken by requests arriving between steps
+_PLACE_FACTOR: Final = 2       # victims placed per victim wanted: the list lasts a few steps
 _block_id = operator.attrgetter("block_id")
 
 

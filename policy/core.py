@@ -13,7 +13,7 @@ import dataclasses
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 from .config import PolicyConfig
 from .costs import RebuildCost
@@ -27,9 +27,9 @@ from .state import TransitionSnapshot
 from .transitions import END, START, TransitionLearner
 
 HINT_KEYS = {"agent": "cachescout.agent", "session": "cachescout.session_id", "next_agent": "cachescout.next_agent"}
-_MAX_HINT_LEN = 256
+_MAX_HINT_LEN: Final = 256
 SHARED_NAME_PREFIX = "anchor-"   # agents' names in the shared state (`shared_names`)
-_EMA = 0.02
+_EMA: Final = 0.02
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable, Iterable, Iterator
+from typing import Final
 
-_AGE_FLOOR_S = 1e-3
-_HEAP_HORIZON_S = 0.1   # `evict`'s heap keys serve as bounds this long (scorers rescore about as often)
+_AGE_FLOOR_S: Final = 1e-3
+_HEAP_HORIZON_S: Final = 0.1   # `evict`'s heap keys serve as bounds this long (scorers rescore about as often)
 
 
 def _key(g: Group, b: Block, now: float) -> float:

@@ -36,12 +36,12 @@ import struct
 from array import array
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from .config import PolicyConfig
 
-_MASK64 = (1 << 64) - 1
-_MAX_CANDIDATES = 8    # sessions remembered for a prompt several sessions sent identically
+_MASK64: Final = (1 << 64) - 1
+_MAX_CANDIDATES: Final = 8    # sessions remembered for a prompt several sessions sent identically
 
 
 class _Shared:
@@ -54,10 +54,10 @@ class _Shared:
 
 
 _CROSSED = object()    # `via` value: the session went into two different children
-_VIA_SESSIONS = 64     # sessions remembered per shared prefix
-_SESSIONS_PER_AGENT = 3  # sessions per child above which children are agents, not task text
-_MAX_CONCENTRATED = 16  # without session evidence, a preamble's top children carry half its traffic
-_SIGN64 = 1 << 63
+_VIA_SESSIONS: Final = 64     # sessions remembered per shared prefix
+_SESSIONS_PER_AGENT: Final = 3  # sessions per child above which children are agents, not task text
+_MAX_CONCENTRATED: Final = 16  # without session evidence, a preamble's top children carry half its traffic
+_SIGN64: Final = 1 << 63
 
 
 def block_key(h: object) -> int:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Hashable, Sequence
+from typing import Final
 
 SAMPLE = 8                 # one block in 8 is simulated
-_WINDOW = 2048             # sampled accesses per comparison (about 150 requests)
-_WORSE = -0.02             # a window this much below LRU (share of accesses) cuts trust
-_WORSE_ON_AVERAGE = -0.005  # trusted windows this much below LRU on average cut it too
-_MAX_BACKOFF = 64          # most windows spent on plain LRU before the model is tried again
+_WINDOW: Final = 2048             # sampled accesses per comparison (about 150 requests)
+_WORSE: Final = -0.02             # a window this much below LRU (share of accesses) cuts trust
+_WORSE_ON_AVERAGE: Final = -0.005  # trusted windows this much below LRU on average cut it too
+_MAX_BACKOFF: Final = 64          # most windows spent on plain LRU before the model is tried again
 
 
 class LruGuard:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from typing import cast
+from typing import Final, cast
 
 from .config import PolicyConfig
 from .costs import RebuildCost
@@ -25,13 +25,13 @@ from .eviction import EvictionIndex, Group
 from .sessions import Session, SessionTracker
 from .transitions import END, START, TransitionLearner
 
-_RATE_FLOOR = 1e-4     # uses per second of a group nobody is predicted to use: far, not infinitely
-_EMA = 0.05
-_RATE_WINDOW_S = 60.0  # new-session arrivals are counted over about this much time
-_LINKED_SHARE = 0.2    # multi-call sessions spanning agents, at and above which contexts are trusted
-_UNLINKED_SHARE = 0.1  # ... and at and below which they are not
+_RATE_FLOOR: Final = 1e-4     # uses per second of a group nobody is predicted to use: far, not infinitely
+_EMA: Final = 0.05
+_RATE_WINDOW_S: Final = 60.0  # new-session arrivals are counted over about this much time
+_LINKED_SHARE: Final = 0.2    # multi-call sessions spanning agents, at and above which contexts are trusted
+_UNLINKED_SHARE: Final = 0.1  # ... and at and below which they are not
 # Idle for this many think times, a session is under 0.1% likely to call again (see next_call_in).
-_ALIVE_IDLE_THINKS = 2.0 - math.log(1e-3)
+_ALIVE_IDLE_THINKS: Final = 2.0 - math.log(1e-3)
 
 
 class _Timing:

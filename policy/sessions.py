@@ -25,22 +25,23 @@ import dataclasses
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Final
 
 from .config import PolicyConfig
 from .transitions import TransitionLearner
 
-_MIN_ENDED = 20.0            # multi-call sessions needed before judging session links
-_ENDED_DECAY = 0.995         # ... counted with a half-life of about 140 sessions
-_MIN_IDLE_S = 5.0           # never call a session over sooner than this
-_TIME_SCAN = 256            # idle sessions examined for a time-based match
-_CUT_MASK = 3               # a cut after ~1 token in 4: chunks of ~4 tokens
-_MIX = 0x9E3779B97F4A7C15   # odd 64-bit constants for the cut-point hash
-_MIX_PREV = 0x85EBCA6B
+_MIN_ENDED: Final = 20.0            # multi-call sessions needed before judging session links
+_ENDED_DECAY: Final = 0.995         # ... counted with a half-life of about 140 sessions
+_MIN_IDLE_S: Final = 5.0           # never call a session over sooner than this
+_TIME_SCAN: Final = 256            # idle sessions examined for a time-based match
+_CUT_MASK: Final = 3               # a cut after ~1 token in 4: chunks of ~4 tokens
+_MIX: Final = 0x9E3779B97F4A7C15   # odd 64-bit constants for the cut-point hash
+_MIX_PREV: Final = 0x85EBCA6B
 # The cut tests bits 17-18 of (tok * _MIX) ^ (prev * _MIX_PREV), which depend only on the low 19
 # bits of each factor: multiplying by the constants' low bits gives the same cuts with products
 # that fit a machine word (no big-integer arithmetic per token).
-_MIX_LO = _MIX & (1 << 19) - 1
-_MIX_PREV_LO = _MIX_PREV & (1 << 19) - 1
+_MIX_LO: Final = _MIX & (1 << 19) - 1
+_MIX_PREV_LO: Final = _MIX_PREV & (1 << 19) - 1
 
 
 def content_chunks(tokens: Sequence[int], start: int, window: int) -> list[int]:

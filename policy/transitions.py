@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping
+from typing import Final
 
-START = "<start>"  # pseudo-agent: a session's first call is a transition out of it
-END = "<end>"      # pseudo-agent: a session that ends makes a transition into it
+START: Final = "<start>"  # pseudo-agent: a session's first call is a transition out of it
+END: Final = "<end>"      # pseudo-agent: a session that ends makes a transition into it
 
-_RESCALE_AT = 1e120
-_REACH_EPS = 1e-6  # multi-step probabilities below this are dropped to keep rows sparse
+_RESCALE_AT: Final = 1e120
+_REACH_EPS: Final = 1e-6  # multi-step probabilities below this are dropped to keep rows sparse
 
 
 class _Row:
