@@ -57,7 +57,8 @@ class LruGuard:
         block before it are cached."""
         held, free = self._held, self._free
         prefix_lru = prefix_ours = True
-        for key in [k for k in keys if not hash(k) % SAMPLE]:
+        sample = SAMPLE   # a module global (a test changes it): read once, not per block
+        for key in [k for k in keys if not hash(k) % sample]:
             was_free = free.pop(key, 0) is None
             prefix_lru = prefix_lru and (was_free or key in held)
             prefix_ours = prefix_ours and key in cached
@@ -71,7 +72,8 @@ class LruGuard:
 
     def filled(self, keys: Sequence[Hashable]) -> None:
         """Blocks a request computed while decoding (cached from now on)."""
-        for key in [k for k in keys if not hash(k) % SAMPLE]:
+        sample = SAMPLE
+        for key in [k for k in keys if not hash(k) % sample]:
             self._free.pop(key, None)
             self._held.add(key)
         self._trim()
@@ -79,7 +81,8 @@ class LruGuard:
     def released(self, keys: Sequence[Hashable]) -> None:
         """Blocks that became free, in free order: LRU's recency is the release."""
         held, free = self._held, self._free
-        for key in [k for k in keys if not hash(k) % SAMPLE]:
+        sample = SAMPLE
+        for key in [k for k in keys if not hash(k) % sample]:
             if key in held:
                 held.discard(key)
                 free[key] = None

@@ -167,7 +167,9 @@ class SessionTracker:
         evidence = "new"
         chunks: list[int] = []
         if hint is not None:
-            sid = ("hint", hint)
+            # Session ids are strings: they key many dicts (sessions, groups, views), and a
+            # string's hash is computed once.
+            sid = f"hint:{hint}"
             s = self._sessions.get(sid)
             evidence = "hint"
             if s is None:
@@ -199,7 +201,7 @@ class SessionTracker:
                 evidence = "time"
         new = s is None
         if s is None:
-            s = self._open(now, ("auto", next(self._ids)))
+            s = self._open(now, f"auto:{next(self._ids)}")
         if chunks:
             self._register(s, chunks)
         previous = s.agent if s.calls else None
