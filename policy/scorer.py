@@ -94,6 +94,19 @@ class _Row:
         self.uses = uses          # (agent, reach, extra) of the real agents, for scoring
 
 
+class _AgentView:
+    """`score`'s per-agent inputs in one rescoring: its row, think time, call duration, and the
+    uses that matter now (agents whose current anchor has free blocks)."""
+
+    __slots__ = ("row", "think", "duration", "uses")
+
+    def __init__(self, row: _Row, think: float, duration: float, uses: tuple[tuple[str, float, float], ...]) -> None:
+        self.row = row
+        self.think = think
+        self.duration = duration
+        self.uses = uses
+
+
 class SurvivalScorer:
     def __init__(self, cfg: PolicyConfig, learner: TransitionLearner, sessions: SessionTracker,
                  cost: RebuildCost) -> None:
@@ -114,6 +127,7 @@ class SurvivalScorer:
         self._scored_refresh = -1
         self._scored_trust = 0
         self._scored_tick = 0.0
+        self._round = 0   # rescorings so far (sessions' views carry the one they were made in)
 
     def note_new_session(self, now: float) -> None:
         if self._last_arrival_at is not None and now > self._last_arrival_at:
@@ -237,12 +251,13 @@ class SurvivalScorer:
             return
         self._scored_refresh, self._scored_trust, self._scored_tick = refresh, trusted, tick
         step = max(self.step_s, 1e-3)
-        # Per live session: expected time to its next call and whether it is still going; its use
-        # rate for agent x is alive * P(x within the horizon) / (time to the call that uses x).
-        per_session: dict[object, tuple[float, float, _Row, str | None]] = {}
+        # Per live session (written on the session, numbered by rescoring): expected time to its
+        # next call and whether it is still going; its use rate for agent x is
+        # alive * P(x within the horizon) / (time to the call that uses x).
+        self._round += 1
+        rnd = self._round
         anchor_rate: dict[str, float] = {}
-        # Per agent: its row, think time, call duration, and the uses that matter now.
-        per_agent: dict[str, tuple[_Row, float, float, tuple]] = {}
+        per_agent: dict[str, _AgentView] = {}
         num = den = 0.0
         # Only groups with free blocks can give victims; the others keep their last scores until
         # the next rescoring after their blocks are freed. So only the agents whose current anchor
@@ -256,12 +271,14 @@ class SurvivalScorer:
         for s in self.sessions.recent(now, max(self.think.longest(), 1e-3) * _ALIVE_IDLE_THINKS):
             if s.agent is None:
                 continue
-            t_next, alive, row, nxt = self._session_view(s, s.agent, now, per_agent, per_session, overrides, wanted)
-            for x, p, e in per_agent[s.agent][3]:
+            view = self._view(s, s.agent, now, rnd, per_agent, overrides, wanted)
+            t_next, alive = s.view_t_next, s.view_alive
+            for x, p, e in view.uses:
                 anchor_rate[x] = anchor_rate.get(x, 0.0) + alive * p / (t_next + e * step)
+            nxt = s.view_next
             if nxt is not None:
                 anchor_rate[nxt] = anchor_rate.get(nxt, 0.0) + alive / t_next   # the framework said so
-            num += alive * row.conf
+            num += alive * view.row.conf
             den += alive
         new_rate = self.new_session_rate
         if new_rate > 0 and self.learner.has_row(START):
@@ -284,22 +301,20 @@ class SurvivalScorer:
             kind = g.kind
             if kind == "context":
                 agent = g.agent
-                # Most live sessions were viewed above.
-                got = per_session.get(g.session) if agent is not None else None
-                if got is None:
-                    ses = session_of(g.session)
-                    if ses is None:
-                        rate, conf = 0.0, conf_all         # the session is over
-                    elif ses.agent is None or agent is None:
-                        rate, conf = 0.0, 0.0              # nothing known: LRU
-                    else:
-                        got = self._session_view(ses, ses.agent, now, per_agent, per_session, overrides, wanted)
-                if got is not None and agent is not None:
-                    t_next, alive, row, nxt = got
+                ses = session_of(g.session)
+                if ses is None:
+                    rate, conf = 0.0, conf_all             # the session is over
+                elif ses.agent is None or agent is None:
+                    rate, conf = 0.0, 0.0                  # nothing known: LRU
+                else:
+                    # Most live sessions were viewed above.
+                    row = (self._view(ses, ses.agent, now, rnd, per_agent, overrides, wanted).row
+                           if ses.view_round != rnd else cast(_Row, ses.view_row))
+                    t_next, alive = ses.view_t_next, ses.view_alive
                     p = row.reach.get(agent, 0.0)
                     rate = alive * p / (t_next + row.extra.get(agent, 0.0) * step) if p else 0.0
                     conf = row.conf * link
-                    if nxt == agent:                       # the framework said so
+                    if ses.view_next == agent:             # the framework said so
                         rate = max(rate, alive / t_next)
                         conf = 1.0
             elif kind == "anchor":
@@ -330,20 +345,20 @@ class SurvivalScorer:
                 g.model = floor
         index.scores_changed()
 
-    def _session_view(self, s: Session, agent: str, now: float,
-                      per_agent: dict[str, tuple[_Row, float, float, tuple]],
-                      per_session: dict[object, tuple[float, float, _Row, str | None]],
-                      overrides: Mapping[object, str] | None, wanted: set[str | None]
-                      ) -> tuple[float, float, _Row, str | None]:
-        """`score`'s view of one session (filed in `per_session`): (time to its next call,
-        probability it is still going, its agent's row, the agent it is hinted to call next)."""
-        got = per_agent.get(agent)
-        if got is None:
+    def _view(self, s: Session, agent: str, now: float, rnd: int, per_agent: dict[str, _AgentView],
+              overrides: Mapping[object, str] | None, wanted: set[str | None]) -> _AgentView:
+        """`score`'s view of one session in rescoring `rnd`, written on the session (time to its
+        next call, probability it is still going, its agent's row, the agent it is hinted to call
+        next); returns its agent's view."""
+        view = per_agent.get(agent)
+        if view is None:
             row = self._row(agent)
-            got = per_agent[agent] = (row, max(self.think.get(agent), 1e-3), self.duration.get(agent),
-                                      tuple(u for u in row.uses if u[0] in wanted))
-        t_next, alive = _next_call(s, now, got[1], got[2])
-        view = per_session[s.sid] = (t_next, alive, got[0], overrides.get(s.sid) if overrides else None)
+            view = per_agent[agent] = _AgentView(row, max(self.think.get(agent), 1e-3), self.duration.get(agent),
+                                                 tuple(u for u in row.uses if u[0] in wanted))
+        s.view_t_next, s.view_alive = _next_call(s, now, view.think, view.duration)
+        s.view_row = view.row
+        s.view_next = overrides.get(s.sid) if overrides else None
+        s.view_round = rnd
         return view
 
     def invalidate(self) -> None:

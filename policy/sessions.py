@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Final
+from typing import Any, Final
 
 from .config import PolicyConfig
 from .transitions import TransitionLearner
@@ -102,6 +102,13 @@ class Session:
     called: set[str] = dataclasses.field(default_factory=set)  # agents this session has called
     linked: set[str] = dataclasses.field(default_factory=set)  # ... joined on firm evidence (not time)
     over: bool = False             # idle long enough to be all but certainly finished
+    # The scorer's view of it in its latest rescoring (`SurvivalScorer.score`), kept here so that
+    # rescoring looks nothing up per session.
+    view_round: int = -1
+    view_t_next: float = 0.0
+    view_alive: float = 0.0
+    view_row: Any = None
+    view_next: str | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
