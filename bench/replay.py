@@ -26,6 +26,7 @@ The connector hears that a call finished before its blocks are freed, as in vLLM
 from __future__ import annotations
 
 import dataclasses
+import gc
 import heapq
 import math
 import json
@@ -613,7 +614,21 @@ class Engine:
 
         A decoding request touches the cache only in the steps where its next token opens or fills
         a block, or where it ends: the loop visits it in those steps only (`_Decoding`), not once
-        per token; every other step it just counts towards the batch and its context."""
+        per token; every other step it just counts towards the batch and its context.
+
+        Python's cycle collector is paused meanwhile: a replay allocates many short-lived
+        containers (its passes over them took about 6% of a CacheScout replay) and makes no
+        reference cycles (a test checks every policy), so reference counting frees everything."""
+        paused = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(sessions, progress, max_preemptions)
+        finally:
+            if paused:
+                gc.enable()
+
+    def _run(self, sessions: Sequence[Session], progress: Callable[[int, int], None] | None,
+             max_preemptions: int | None) -> ReplayResult:
         cfg = self.cfg
         pending: list[tuple[float, int, Request]] = []
         order = 0

@@ -1,3 +1,4 @@
+import gc
 import json
 from pathlib import Path
 
@@ -162,3 +163,22 @@ def test_engine_lru_and_oracle_agree_with_kvcache_simulator(tmp_path):
             other = simulate_policy(plan, theirs, capacity)
             assert other.measurementMode == "fixed_window"
             assert abs(rate - other.hitRate) < 0.01, (mine, capacity, rate, other.hitRate)
+
+
+@pytest.mark.parametrize("name", ["lru", "lmcache-lru", "oracle", "kvflow", "continuum", "cachescout",
+                                  "cachescout-hints", "cachescout-hashonly"])
+def test_a_replay_makes_no_reference_cycles(name):
+    # The engine pauses the cycle collector while it replays: that is sound only while replays
+    # leave no cyclic garbage behind (reference counting frees everything).
+    sessions = generate(WorkloadSpec(family="mtbench", sessions=40, seed=3))
+    policy = make_policy(name, PolicyConfig(), sessions)
+    gc.collect()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        result = Engine(EngineConfig(gpu_blocks=900, cpu_blocks=500, redis_blocks=2000), policy).run(sessions)
+        assert gc.isenabled()
+        assert gc.collect() == 0, [type(o).__name__ for o in gc.garbage[:10]]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+    assert result.summary()["evictions"] > 0
