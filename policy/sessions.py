@@ -151,15 +151,16 @@ class SessionTracker:
     def get(self, sid: Hashable) -> Session | None:
         return self._sessions.get(sid)
 
-    def recent(self, now: float, idle_within_s: float) -> Iterator[Session]:
+    def recent(self, now: float, idle_within_s: float) -> list[Session]:
         """Sessions with a call in flight, then those whose last call ended at most
-        `idle_within_s` ago, most recent first: O(what it yields), however many sessions wait
+        `idle_within_s` ago, most recent first: O(what it returns), however many sessions wait
         to expire."""
-        yield from list(self._busy.values())
+        out = list(self._busy.values())
         for s in reversed(self._idle.values()):
             if now - s.last_finish_at > idle_within_s:
                 break
-            yield s
+            out.append(s)
+        return out
 
     # -- assignment ---------------------------------------------------------------------------
     def assign(self, now: float, agent: str | None, *, hint: Hashable | None = None,
