@@ -526,7 +526,10 @@ class Engine:
         if self.cpu is not None or self.redis is not None:
             end, loads = plan_tier_loads(hashes, hit, limit, self.where, self.cfg.cost, bs)
         held = hashes[:hit]
-        reusing = sum(1 for k in held if ref[k] == 0)
+        reusing = 0
+        for k in held:
+            if ref[k] == 0:
+                reusing += 1
         new_keys = [h for h in hashes[hit:] if h not in ref]
         # Blocks past the hit whose content is cached elsewhere are recomputed into blocks of
         # their own that stay uncached (vLLM keeps one cached copy per hash).

@@ -44,7 +44,7 @@ _MIX_LO: Final = _MIX & (1 << 19) - 1
 _MIX_PREV_LO: Final = _MIX_PREV & (1 << 19) - 1
 
 
-def content_chunks(tokens: Sequence[int], start: int, window: int) -> list[int]:
+def content_chunks(tokens: Sequence[int], start: int, window: int) -> list[Hashable]:
     """Hashes of the complete content-defined chunks in tokens[start:start + window].
 
     A cut falls after token i when a hash of tokens i-1 and i has its low bits zero, so the same
@@ -53,7 +53,7 @@ def content_chunks(tokens: Sequence[int], start: int, window: int) -> list[int]:
     begin = max(start, 0)
     # One tuple of the window: indexing it is cheap, and its slices are the chunks (one copy each).
     toks: tuple[int, ...] = tuple(tokens[begin:min(len(tokens), start + window)])
-    out: list[int] = []
+    out: list[Hashable] = []   # hashes, typed so that compiled code keeps the objects (see bench/replay.py)
     last_cut = -1
     prev = tokens[begin - 1] if begin > 0 else 0
     for i in range(len(toks)):
@@ -81,7 +81,7 @@ def content_sketch(tokens: Sequence[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def sketch_window(sketch: Sequence[Sequence[int]], start: int, window: int) -> list[int]:
+def sketch_window(sketch: Sequence[Sequence[int]], start: int, window: int) -> list[Hashable]:
     """Hashes of the sketch's chunks that lie within tokens[start:start + window], like
     `content_chunks(tokens, start, window)` (its first chunk begins after the first cut there)."""
     end = start + window
@@ -98,7 +98,7 @@ class Session:
     in_flight: int = 0
     calls: int = 0
     hinted: bool = False
-    chunks: list[int] = dataclasses.field(default_factory=list)
+    chunks: list[Hashable] = dataclasses.field(default_factory=list)
     called: set[str] = dataclasses.field(default_factory=set)  # agents this session has called
     linked: set[str] = dataclasses.field(default_factory=set)  # ... joined on firm evidence (not time)
     over: bool = False             # idle long enough to be all but certainly finished
@@ -125,8 +125,8 @@ class SessionTracker:
         self.cfg = config or PolicyConfig()
         self.learner = learner
         self._sessions: OrderedDict[Hashable, Session] = OrderedDict()  # least recent call first
-        self._chunk_owner: dict[int, Session] = {}
-        self._shared_chunks: OrderedDict[int, None] = OrderedDict()  # boilerplate, bounded
+        self._chunk_owner: dict[Hashable, Session] = {}
+        self._shared_chunks: OrderedDict[Hashable, None] = OrderedDict()  # boilerplate, bounded
         self._idle: OrderedDict[Hashable, Session] = OrderedDict()   # no call in flight, by finish time
         self._busy: dict[Hashable, Session] = {}                      # a call in flight
         self._waiting: OrderedDict[Hashable, Session] = OrderedDict()  # idle, not yet judged over
@@ -173,7 +173,7 @@ class SessionTracker:
         between them. Content comes from `tokens`, or from a precomputed `sketch` (trace files)."""
         s: Session | None = None
         evidence = "new"
-        chunks: list[int] = []
+        chunks: list[Hashable] = []
         if hint is not None:
             # Session ids are strings: they key many dicts (sessions, groups, views), and a
             # string's hash is computed once.
@@ -234,7 +234,7 @@ class SessionTracker:
         return Assignment(s, previous, new, evidence, previous_at)
 
     def finished(self, sid: Hashable, now: float, output: Sequence[int] | None = None,
-                 output_chunks: Sequence[int] | None = None) -> None:
+                 output_chunks: Sequence[Hashable] | None = None) -> None:
         """A call of the session ended. Its output usually reappears in the next agent's prompt
         (an instruction, an answer), so its leading chunks become evidence for this session.
         `output_chunks`: those chunk hashes precomputed (trace files), instead of `output`."""
@@ -344,7 +344,7 @@ class SessionTracker:
         self._waiting.pop(s.sid, None)
         self.version += 1
 
-    def _match_content(self, chunks: list[int], agent: str | None, among: set | None = None) -> Session | None:
+    def _match_content(self, chunks: list[Hashable], agent: str | None, among: set | None = None) -> Session | None:
         votes: Counter[Session] = Counter()
         known = 0
         for c in chunks:
@@ -381,14 +381,14 @@ class SessionTracker:
             if c not in self._shared_chunks:
                 self._share(c)
 
-    def _share(self, c: int) -> None:
+    def _share(self, c: Hashable) -> None:
         self._chunk_owner.pop(c, None)   # boilerplate: evidence for no session, from now on
         shared = self._shared_chunks
         shared[c] = None
         if len(shared) > 64 * self.cfg.max_sessions:
             shared.popitem(last=False)
 
-    def _register(self, s: Session, chunks: list[int]) -> None:
+    def _register(self, s: Session, chunks: list[Hashable]) -> None:
         owners = self._chunk_owner
         shared = self._shared_chunks
         for c in chunks:
