@@ -22,7 +22,7 @@ from collections import OrderedDict
 from collections.abc import Container, Hashable, Sequence
 from typing import Final
 
-SAMPLE = 8                 # one block in 8 is simulated
+SAMPLE: Final = 8          # by default one block in 8 is simulated
 _WINDOW: Final = 2048             # sampled accesses per comparison (about 150 requests)
 _WORSE: Final = -0.02             # a window this much below LRU (share of accesses) cuts trust
 _WORSE_ON_AVERAGE: Final = -0.005  # trusted windows this much below LRU on average cut it too
@@ -30,7 +30,8 @@ _MAX_BACKOFF: Final = 64          # most windows spent on plain LRU before the m
 
 
 class LruGuard:
-    def __init__(self) -> None:
+    def __init__(self, sample: int = SAMPLE) -> None:
+        self.sample = sample          # one block in `sample` (by key hash) is simulated
         self._held: set[Hashable] = set()                  # sampled blocks in use: never evicted
         self._free: OrderedDict[Hashable, None] = OrderedDict()  # sampled free blocks, LRU first
         self.capacity = 0             # real cache size in blocks (0: learn it from the index)
@@ -47,17 +48,13 @@ class LruGuard:
         self._backoff = 1                # windows to wait after the next failure
         self._wait = 0                   # windows left on plain LRU
 
-    @staticmethod
-    def sampled(key: Hashable) -> bool:
-        return hash(key) % SAMPLE == 0
-
     def accessed(self, keys: Sequence[Hashable], cached: Container) -> None:
         """A request's prompt blocks in order, and what the real cache held when it arrived.
         Both caches are scored by the same rule: a sampled block hits if it and every sampled
         block before it are cached."""
         held, free = self._held, self._free
         prefix_lru = prefix_ours = True
-        sample = SAMPLE   # a module global (a test changes it): read once, not per block
+        sample = self.sample
         for key in [k for k in keys if not hash(k) % sample]:
             was_free = free.pop(key, 0) is None
             prefix_lru = prefix_lru and (was_free or key in held)
@@ -72,7 +69,7 @@ class LruGuard:
 
     def filled(self, keys: Sequence[Hashable]) -> None:
         """Blocks a request computed while decoding (cached from now on)."""
-        sample = SAMPLE
+        sample = self.sample
         for key in [k for k in keys if not hash(k) % sample]:
             self._free.pop(key, None)
             self._held.add(key)
@@ -81,14 +78,14 @@ class LruGuard:
     def released(self, keys: Sequence[Hashable]) -> None:
         """Blocks that became free, in free order: LRU's recency is the release."""
         held, free = self._held, self._free
-        sample = SAMPLE
+        sample = self.sample
         for key in [k for k in keys if not hash(k) % sample]:
             if key in held:
                 held.discard(key)
                 free[key] = None
 
     def _trim(self) -> None:
-        cap = max(1, self.capacity // SAMPLE)
+        cap = max(1, self.capacity // self.sample)
         free = self._free
         while free and len(free) + len(self._held) > cap:
             free.popitem(last=False)

@@ -10,12 +10,12 @@ from cachescout.policy import PolicyConfig
 from cachescout.policy.guard import LruGuard
 
 
-def test_unsampled_shadow_reproduces_the_real_lru(monkeypatch):
+def test_unsampled_shadow_reproduces_the_real_lru():
     """With every block sampled and the policy held to LRU order, the shadow must score exactly
     what the real cache scores: any gap would bias the trust."""
-    monkeypatch.setattr(guard_mod, "SAMPLE", 1)
     sessions = generate(WorkloadSpec(family="gaia", sessions=80, seed=4))
     policy = CacheScoutReplay(PolicyConfig(min_confidence=1.0))   # confidence never reaches 1: LRU
+    policy.core.guard.sample = 1
     Engine(EngineConfig(gpu_blocks=2500), policy).run(sessions)
     g = policy.core.guard
     seen = g.total_seen + g._seen
