@@ -4,16 +4,16 @@ It evicts the free block whose next use is farthest in the future. Future uses c
 not yet issued, each placed at its arrival time in a reference run of the same workload with an
 unbounded cache (closed-loop timing shifts a little between policies; the order of calls barely
 does). A call uses its blocks when it is admitted, not when it arrives: while it waits, its blocks
-are needed next. Chained hashes make a block's every use also a use of all blocks before it, so a prefix is
-never needed later than what follows it; ties go to the deeper block, so the oracle never evicts a
-block whose successors stay cached.
+are needed next. Chained hashes make a block's every use also a use of all blocks before it, so a
+prefix is never needed later than what follows it; ties go to the deeper block, so the oracle never
+evicts a block whose successors stay cached.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections.abc import Hashable, Sequence
-from typing import Any, Final
+from typing import Final
 
 from .replay import Engine, EngineConfig, LRUPolicy, ReplayPolicy, Request, call_keys
 from .workloads import Session
@@ -55,7 +55,7 @@ class OraclePolicy(ReplayPolicy):
         # A max-heap of free blocks by next use, as one integer per entry: (never - priority) in the
         # high bits, the push number in the low ones (equal priorities: the earlier push first). A
         # block's entry is its latest push (`_stamp`); older ones are skipped when they come up, and
-        # the heap is rebuilt when they outnumber the live ones.
+        # the heap is rebuilt when they pile up (`rebuild_slack`).
         self._heap: list[int] = []
         self._pushed: list[Hashable] = []   # push number -> key
         self._stamp: dict[Hashable, int] = {}   # key -> its latest push number (a free key: its live entry)
@@ -66,7 +66,7 @@ class OraclePolicy(ReplayPolicy):
         self._pushed.append(key)
         heapq.heappush(self._heap, (self._never - (lst[-1] if lst else self._never)) << _STAMP_BITS | stamp)
 
-    def admitted(self, req: Request, keys: Sequence[Any], num_cached: int, now: float) -> None:
+    def admitted(self, req: Request, keys: Sequence[Hashable], num_cached: int, now: float) -> None:
         # This call's uses happen now (not at its arrival: while it waits, its blocks' next use is
         # this call): each block's next use moves on. Its hits were taken out of the free blocks
         # just before; a block it recomputes past its hit may still be free. A call admitted again
@@ -82,12 +82,12 @@ class OraclePolicy(ReplayPolicy):
                 if key in free:
                     self._push(key)
 
-    def reused(self, keys: Sequence[Any], now: float) -> None:   # the engine's keys: ints
+    def reused(self, keys: Sequence[Hashable], now: float) -> None:
         free = self._free
         for k in keys:
             free.discard(k)
 
-    def freed(self, keys: Sequence[Any], now: float) -> None:
+    def freed(self, keys: Sequence[Hashable], now: float) -> None:
         self._free.update(keys)
         for k in keys:
             self._push(k)

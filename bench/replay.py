@@ -464,7 +464,7 @@ class Engine:
             return False
         short = n - self.empty
         if short > 0:
-            victims: list[Any] = self.policy.evict(short, self.now)
+            victims = self.policy.evict(short, self.now)
             if len(victims) != short:
                 raise RuntimeError(f"policy {self.policy.name} evicted {len(victims)} blocks, asked {short}")
             ref = self.ref
@@ -762,7 +762,7 @@ class Engine:
     def _prefetch(self, step_s: float) -> None:
         """Background transfers the policy asks for, as much as the links carry during a step:
         CPU -> GPU (the block joins the GPU cache, free) and Redis -> CPU."""
-        keys: list[Any] = self.policy.prefetch(self, self.now)   # the engine's keys are ints
+        keys = self.policy.prefetch(self, self.now)
         if not keys:
             return
         cost = self.cfg.cost
