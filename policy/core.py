@@ -79,6 +79,7 @@ class _Live:
     obs: Observation
     started_at: float
     context: Group | None = None   # the group its context blocks go to (looked up once)
+    hinted: bool = False           # its session was named by the framework
 
 
 class CacheScoutPolicy:
@@ -179,12 +180,13 @@ class CacheScoutPolicy:
         self.fingerprints.set_owner(fp.leaf, s.sid)
         if agent is not None and fp.agent is not None:
             self.scorer.current_anchor[agent] = fp.anchor_node
+            s.anchor_nodes[agent] = fp.anchor_node
         if hints is not None and hints.next_agent is not None:
             self._next_hint[s.sid] = hints.next_agent
         else:
             self._next_hint.pop(s.sid, None)
         obs = Observation(request_id, agent, s.sid, a.previous_agent, a.new, a.evidence, predicted, fp)
-        self._live[request_id] = _Live(obs, now)
+        self._live[request_id] = _Live(obs, now, None, s.hinted)
         self.stats["requests"] += 1
         if self.stats["requests"] % 512 == 0:
             self.index.prune_groups()
@@ -229,7 +231,7 @@ class CacheScoutPolicy:
         live = self._live.get(request_id)
         index = self.index
         self._track_capacity()
-        self.guard.accessed(block_keys, index)
+        self.guard.accessed(block_keys, num_cached)
         if live is None:
             for key in block_keys[num_cached:]:
                 index.add(key)
@@ -256,7 +258,28 @@ class CacheScoutPolicy:
                 index.add(key, group)
         index.acquire(block_keys[:num_cached])
         if live.obs.agent is not None:
-            self._context_keys.setdefault(live.obs.session, {})[live.obs.agent] = list(block_keys)
+            contexts = self._context_keys.setdefault(live.obs.session, {})
+            old = contexts.get(live.obs.agent)
+            if old and live.hinted:
+                self._unfile_stale(old, block_keys, ctx)
+            contexts[live.obs.agent] = list(block_keys)
+
+    def _unfile_stale(self, old: list, new: Sequence[Hashable], ctx: Group) -> None:
+        """Blocks of a (hinted) session's previous call under this agent that its new prompt left
+        out (the context was rewritten: compacted, or its tail replaced) will not be used by its
+        next call either: they leave the context's group for plain LRU order. Only where the
+        framework named the session: an inferred session that diverges may be two sessions."""
+        n = len(old)
+        if len(new) >= n and new[n - 1] == old[-1]:
+            return   # the new prompt extends the old one (chained keys: equal at the end, equal all along)
+        keep = set(new)
+        index = self.index
+        stale = index.group(("stale",), "stale")
+        for key in old:
+            if key not in keep:
+                b = index.block(key)
+                if b is not None and b.group is ctx:
+                    index.assign(b, stale)
 
     def extend_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable]) -> None:
         """Blocks the request filled while decoding (its output): filed with its context."""

@@ -58,6 +58,46 @@ _VIA_SESSIONS: Final = 64     # sessions remembered per shared prefix
 _SESSIONS_PER_AGENT: Final = 3  # sessions per child above which children are agents, not task text
 _MAX_CONCENTRATED: Final = 16  # without session evidence, a preamble's top children carry half its traffic
 _SIGN64: Final = 1 << 63
+# A prompt that leaves an earlier one at most this many blocks before its end continues it, when
+# it shared at least _CONTINUE_SPAN times as many blocks past the anchor.
+_CONTINUE_SLACK: Final = 3
+_CONTINUE_SPAN: Final = 8
+_OWNERS_SCAN: Final = 32   # nodes looked at below a shared prefix for the sessions that used it
+_ANOTHER = object()        # `_one_session`: the request at hand, continuing no session
+_UNSEEN = object()         # ... the request at hand not counted
+
+
+def _one_session(p: _Node, current: object = _UNSEEN) -> bool:
+    """Whether every request known to have gone through `p` came from one session: the sessions
+    that went through it later (`via`), and those whose prompts ended below it (a look at the
+    first nodes under it), and the request at hand if given: `current` is the session it continues,
+    None when it continues none (then it is another session). False with no evidence at all."""
+    seen: set = set(p.via) if p.via is not None else set()
+    if current is _UNSEEN:
+        pass
+    elif current is None:
+        seen.add(_ANOTHER)
+    elif isinstance(current, _Shared):
+        seen.update(current.members)
+    else:
+        seen.add(current)
+    if len(seen) >= 2:
+        return False
+    todo = [p]
+    looked = 0
+    while todo and looked < _OWNERS_SCAN:
+        node = todo.pop()
+        looked += 1
+        owner = node.end_owner
+        if isinstance(owner, _Shared):
+            seen.update(owner.members)
+        elif owner is not None:
+            seen.add(owner)
+        if len(seen) >= 2:
+            return False
+        if node.children:
+            todo.extend(node.children.values())
+    return len(seen) == 1 and _ANOTHER not in seen   # the request at hand alone is no evidence
 
 
 def block_key(h: object) -> int:
@@ -234,6 +274,15 @@ class AgentFingerprinter:
             if p.end_owner is not None and p.end < n:
                 last_end = p
         previous = last_end.end_owner if last_end is not None else None
+        # An earlier prompt that this one follows up to a few blocks before its end (a session that
+        # rewrote its last block: a moved cache marker, a replaced reminder): `_label` decides
+        # whether that is close enough to be the same session.
+        near: tuple[object, int] | None = None
+        if d < n and node.children:
+            for c in node.children.values():
+                if c.children is None and c.end_owner is not None and c.end - d <= _CONTINUE_SLACK:
+                    if near is None or c.end > near[1]:
+                        near = (c.end_owner, c.end)
         leaf = node
         repeat = False
         if d < n:
@@ -287,7 +336,7 @@ class AgentFingerprinter:
             self._repeats[leaf.nid] = True
             if len(self._repeats) > 1024:
                 self._repeats.popitem(last=False)
-        fp = self._label(hashes, n, shared, matched, previous, last_end, leaf, t)
+        fp = self._label(hashes, n, shared, matched, previous, last_end, leaf, t, near)
         if t % self._sweep_every == 0:
             self._sweep(thr)
         self._age_out()
@@ -338,13 +387,16 @@ class AgentFingerprinter:
 
     # -- labelling ----------------------------------------------------------------------------
     def _label(self, hashes: Sequence[int], n: int, shared: list[_Node], matched: int, previous: object,
-               last_end: _Node | None, leaf: _Node, t: int) -> Fingerprint:
+               last_end: _Node | None, leaf: _Node, t: int, near: tuple[object, int] | None = None) -> Fingerprint:
         pre = self.root
         pre_i = -1
         for i, p in enumerate(shared):
             if self._is_preamble(p, t):
                 pre, pre_i = p, i
-        below = shared[pre_i + 1:]
+        # An anchor is text that several sessions start with: a branch point made by one session's
+        # own calls (a conversation that rewrote its tail) is that session's context.
+        current = previous if previous is not None else (near[0] if near is not None else None)
+        below = [p for p in shared[pre_i + 1:] if not _one_session(p, current)]
         shared_end = shared[-1].end if shared else 0
         anchor: _Node | None = None
         if below:
@@ -358,11 +410,15 @@ class AgentFingerprinter:
         continues = None
         candidates: tuple = ()
         past = anchor.end if anchor is not None else pre.end
+        owner: object = None
         if last_end is not None and previous is not None and last_end.end > past:
-            if isinstance(previous, _Shared):
-                candidates = previous.members
-            else:
-                continues = previous
+            owner = previous
+        elif near is not None and near[1] - matched <= min(_CONTINUE_SLACK, (matched - past) // _CONTINUE_SPAN):
+            owner = near[0]   # followed an earlier prompt to within a few blocks of its end, far past the anchor
+        if isinstance(owner, _Shared):
+            candidates = owner.members
+        elif owner is not None:
+            continues = owner
         agent = None
         if pre.end < n:
             agent = self._agent_for(hashes, pre, shared[:pre_i + 1], anchor, t)
@@ -399,6 +455,8 @@ class AgentFingerprinter:
     def _sessions_cross(p: _Node, kids: set[_Node]) -> bool:
         """Do sessions move between the shared prefixes below `p` (then it is a preamble)?"""
         via = p.via
+        if _one_session(p):
+            return False    # one session's own branches (its rewritten tails), not a header of agents
         if via:
             crossed = sum(1 for v in via.values() if v is _CROSSED)
             # Sessions moving between the children: agents under a shared header.

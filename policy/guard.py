@@ -5,27 +5,41 @@ FAST 2015): blocks whose key falls in a fixed 1/`SAMPLE` slice of the hash space
 1/`SAMPLE` the size. Requests replay into it in the order they reach the real cache, with vLLM's
 semantics: a hit stops at the first sampled block missing, a block is held (unevictable) from the
 request that uses it until it is released, and free blocks leave in the order they were released.
-Over windows of sampled accesses, the real cache's hits on the same sampled blocks are compared with
-the shadow's: that difference is CacheScout's measured gain over plain LRU.
+Over windows of sampled accesses, the real cache's hits on the same sampled blocks (those within
+the prefix it really hit) are compared with the shadow's: that difference is CacheScout's measured
+gain over plain LRU.
 
-Trust scales every confidence the scorer uses: 1 (use the model) or 0 (plain LRU). A window clearly
-worse than the shadow, or trusted windows that are worse on average, drop it to 0; the model is
-tried again after 1, 2, 4, ... up to 64 windows (doubling after each failed try, halving back after
-a good window), so a model that recovers, or a workload that turns predictable, is used again,
-while a model that keeps losing costs only a few probe windows. This bounds what a wrong model can
-cost, whatever the cause: sessions that could not be inferred, a workflow that changed.
+A sampled shadow is an estimate, and on traffic whose prompts are a few long conversations (every
+request hits or misses hundreds of sampled blocks together) a noisy and slightly biased one. The
+windows spent on plain LRU are its control: there the real cache *is* LRU, so what the shadow makes
+of them is its own error, whose mean (the bias) is taken off the trusted windows and whose spread
+says how far a trusted window may fall below LRU by chance.
+
+Trust scales every confidence the scorer uses: 1 (use the model) or 0 (plain LRU). A trusted window
+far below LRU (beyond four times the shadow's spread), or trusted windows whose recent mean is
+below LRU by more than twice its standard error, drop it to 0; the model is tried again after 1, 2,
+4, ... up to 64 windows (doubling after each failed try, halving back after a good window), so a
+model that recovers, or a workload that turns predictable, is used again, while a model that keeps
+losing costs only a few probe windows. This bounds what a wrong model can cost, whatever the cause:
+sessions that could not be inferred, a workflow that changed.
 """
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
-from collections.abc import Container, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 from typing import Final
 
 SAMPLE: Final = 8          # by default one block in 8 is simulated
-_WINDOW: Final = 2048             # sampled accesses per comparison (about 150 requests)
-_WORSE: Final = -0.02             # a window this much below LRU (share of accesses) cuts trust
-_WORSE_ON_AVERAGE: Final = -0.005  # trusted windows this much below LRU on average cut it too
+_WINDOW: Final = 2048             # sampled accesses per comparison (about 150 requests) ...
+_WINDOW_REQUESTS: Final = 8       # ... from at least this many requests
+_PRIOR_SPREAD: Final = 0.02       # the shadow's error per window (share of accesses) before it is measured
+_MIN_CONTROL: Final = 4           # windows on plain LRU before their bias and spread are used
+_CONTROL_EMA: Final = 0.05        # ... averaged over about this many windows' worth (1 / it)
+_FAR_WORSE: Final = 4.0           # a trusted window this many spreads below LRU cuts trust at once
+_MEAN_EMA: Final = 0.1            # trusted windows' recent mean, over about 1 / this many
+_SIGNIFICANT: Final = 2.0         # standard errors below LRU at which that mean cuts trust
 _MAX_BACKOFF: Final = 64          # most windows spent on plain LRU before the model is tried again
 
 
@@ -42,29 +56,39 @@ class LruGuard:
         self.total_ours = 0
         self.total_lru = 0
         self.total_seen = 0
+        self._requests = 0            # requests with a sampled access, this window
         self.windows: list[float] = []   # recent windows' (ours - lru) / accesses
-        self._trusted_avg = 0.0          # decayed mean of trusted windows' differences
-        self._trusted_n = 0
+        self._trusted_mean = 0.0         # recent mean of trusted windows' bias-corrected differences
+        self._trusted_n = 0              # trusted windows since the model was last (re)tried
+        self.bias = 0.0                  # the shadow's mean error, from windows on plain LRU
+        self._spread2 = _PRIOR_SPREAD ** 2   # ... and the variance of that error
+        self._control = 0                # windows on plain LRU seen
         self._backoff = 1                # windows to wait after the next failure
         self._wait = 0                   # windows left on plain LRU
 
-    def accessed(self, keys: Sequence[Hashable], cached: Container) -> None:
-        """A request's prompt blocks in order, and what the real cache held when it arrived.
-        Both caches are scored by the same rule: a sampled block hits if it and every sampled
-        block before it are cached."""
+    def accessed(self, keys: Sequence[Hashable], num_cached: int) -> None:
+        """A request's prompt blocks in order, and how many leading ones the real cache hit.
+        A sampled block is the real cache's hit when it lies within that prefix (a block that
+        is cached past a missing one is recomputed all the same); the shadow's, when it and every
+        sampled block before it are in the shadow."""
         held, free = self._held, self._free
-        prefix_lru = prefix_ours = True
+        prefix_lru = True
         sample = self.sample
-        for key in [k for k in keys if not hash(k) % sample]:
+        seen = self._seen
+        for i in range(len(keys)):
+            key = keys[i]
+            if hash(key) % sample:
+                continue
             was_free = free.pop(key, 0) is None
             prefix_lru = prefix_lru and (was_free or key in held)
-            prefix_ours = prefix_ours and key in cached
             self._seen += 1
             self._lru += prefix_lru
-            self._ours += prefix_ours
+            self._ours += i < num_cached
             held.add(key)
+        if self._seen > seen:
+            self._requests += 1
         self._trim()
-        if self._seen >= _WINDOW:
+        if self._seen >= _WINDOW and self._requests >= _WINDOW_REQUESTS:
             self._close_window()
 
     def filled(self, keys: Sequence[Hashable]) -> None:
@@ -96,20 +120,31 @@ class LruGuard:
         self.total_ours += self._ours
         self.total_lru += self._lru
         self.total_seen += self._seen
-        self._ours = self._lru = self._seen = 0
+        self._ours = self._lru = self._seen = self._requests = 0
         if self.trust == 0.0:
+            # The real cache follows LRU here: the difference is the shadow's own error.
+            self._control += 1
+            w = max(_CONTROL_EMA, 1.0 / self._control)
+            err = delta - self.bias
+            self.bias += w * err
+            self._spread2 += w * (err * err - self._spread2)
             self._wait -= 1
             if self._wait <= 0:
                 self.trust = 1.0          # try the model again
-                self._trusted_avg, self._trusted_n = 0.0, 0
+                self._trusted_mean, self._trusted_n = 0.0, 0
             return
-        self._trusted_avg = 0.7 * self._trusted_avg + 0.3 * delta if self._trusted_n else delta
+        measured = self._control >= _MIN_CONTROL
+        d = delta - self.bias if measured else delta
+        spread = math.sqrt(self._spread2) if measured else _PRIOR_SPREAD
         self._trusted_n += 1
-        if delta <= _WORSE or (self._trusted_n >= 3 and self._trusted_avg <= _WORSE_ON_AVERAGE):
+        n = self._trusted_n
+        self._trusted_mean += max(_MEAN_EMA, 1.0 / n) * (d - self._trusted_mean)
+        effective = min(n, 2.0 / _MEAN_EMA - 1.0)   # windows an EMA's mean carries
+        if d <= -_FAR_WORSE * spread or self._trusted_mean < -_SIGNIFICANT * spread / math.sqrt(effective):
             self.trust = 0.0
             self._wait = self._backoff
             self._backoff = min(_MAX_BACKOFF, 2 * self._backoff)
-        elif delta > 0:
+        elif d > 0:
             self._backoff = max(1, self._backoff // 2)
 
     def estimated_gain(self) -> float | None:

@@ -2,9 +2,12 @@
 
 For every live session the chain gives, per agent, the probability of being called within the next
 `prediction_horizon` calls and at which of them (first-passage probabilities). Timing comes from
-what was observed per agent: how long its calls take and how long a session waits after one (a tool
-runs, a user types). A session in a call of agent X is expected to call again after the rest of
-that call plus X's think time; one idle for much longer than that has likely ended. So each session
+what was observed per agent: how long its calls take and how long a session typically waits after
+one (a tool runs, a user types; averaged in the log, so that a wait of hours does not make every
+wait look long). A session in a call of agent X is expected to call again after the rest of that
+call plus X's typical wait; one idle for much longer than that has likely ended. Where an agent's
+waits are irregular (people), a session's own prediction is blended, by how regular they are, with
+the time it has idled already, as LRU would judge it. So each session
 gives each agent a use rate, P(use) / expected time to it; an agent's anchor is used at the sum of
 those rates over live sessions plus the sessions expected to arrive, a session's context under an
 agent only at that session's rate. A group's predicted time to next use is 1 / rate, made longer
@@ -27,6 +30,7 @@ from .transitions import END, START, TransitionLearner
 
 _RATE_FLOOR: Final = 1e-4     # uses per second of a group nobody is predicted to use: far, not infinitely
 _EMA: Final = 0.05
+_TYPICAL_FLOOR_S: Final = 1e-3  # waits shorter than this count as this (their log is the average)
 _RATE_WINDOW_S: Final = 60.0  # new-session arrivals are counted over about this much time
 _LINKED_SHARE: Final = 0.2    # multi-call sessions spanning agents, at and above which contexts are trusted
 _UNLINKED_SHARE: Final = 0.1  # ... and at and below which they are not
@@ -35,34 +39,59 @@ _ALIVE_IDLE_THINKS: Final = 2.0 - math.log(1e-3)
 
 
 class _Timing:
-    """Exponential moving averages per agent, with a shared fallback for agents not seen yet."""
+    """Exponential moving averages per agent, with a shared fallback for agents not seen yet.
+    `typical`: averaged in the log (a geometric mean, the median of a lognormal), so that the rare
+    wait of hours (a person who left) does not make every wait look long."""
 
-    __slots__ = ("per_agent", "overall", "samples")
+    __slots__ = ("per_agent", "overall", "samples", "typical", "spread")
 
-    def __init__(self, initial: float) -> None:
+    def __init__(self, initial: float, typical: bool = False) -> None:
         self.per_agent: dict[str, float] = {}
-        self.overall = initial
+        self.typical = typical
+        self.overall = math.log(initial) if typical else initial
         self.samples = 0
+        self.spread: dict[str, float] = {}   # typical: agent -> EMA of squared log deviations
 
     def note(self, agent: str | None, seconds: float) -> None:
         if seconds < 0 or not math.isfinite(seconds):
             return
+        if self.typical:
+            seconds = math.log(max(seconds, _TYPICAL_FLOOR_S))
         self.samples += 1
         self.overall += _EMA * (seconds - self.overall)
         if agent is not None:
             old = self.per_agent.get(agent)
             self.per_agent[agent] = seconds if old is None else old + 2 * _EMA * (seconds - old)
+            if self.typical and old is not None:
+                dev2 = (seconds - old) ** 2
+                v = self.spread.get(agent)
+                self.spread[agent] = dev2 if v is None else v + 2 * _EMA * (dev2 - v)
+
+    def reliability(self, agent: str | None) -> float:
+        """How far an order by these estimates can be trusted over an order by recency, in
+        [0, 1]. For waits spread lognormally by sigma (in the log), two sessions predicted a factor
+        e apart return in the predicted order with probability (1 + erf(1 / (2 sigma))) / 2: the
+        score is erf(1 / (2 sigma)), sigma the root mean square deviation of the log waits from
+        their running average (a long tail counts fully). About 0.8 for a steady tool (sigma 0.4),
+        0.4 for people typing (sigma 1.2)."""
+        v = self.spread.get(agent) if agent is not None else None
+        if v is None:
+            return 1.0
+        return math.erf(0.5 / max(math.sqrt(v), 1e-6))
 
     def get(self, agent: str | None) -> float:
-        return self.per_agent.get(agent, self.overall) if agent is not None else self.overall
+        v = self.per_agent.get(agent, self.overall) if agent is not None else self.overall
+        return math.exp(v) if self.typical else v
 
     def longest(self) -> float:
         """The largest current estimate (of any agent, or the fallback)."""
-        return max(self.overall, max(self.per_agent.values(), default=0.0))
+        v = max(self.overall, max(self.per_agent.values(), default=-math.inf))
+        return math.exp(v) if self.typical else v
 
     def shortest(self) -> float:
         """The smallest current estimate (of any agent, or the fallback)."""
-        return min(self.overall, min(self.per_agent.values(), default=math.inf))
+        v = min(self.overall, min(self.per_agent.values(), default=math.inf))
+        return math.exp(v) if self.typical else v
 
 
 def _next_call(s: Session, now: float, think: float, duration: float) -> tuple[float, float]:
@@ -75,9 +104,30 @@ def _next_call(s: Session, now: float, think: float, duration: float) -> tuple[f
     return max(think - idle, 0.1 * think), math.exp(-max(0.0, idle - 2.0 * think) / think)
 
 
-def _is_current(current: Mapping[str, int], g: Group) -> bool:
-    """Whether anchor group `g` (id ("anchor", agent, version node)) is its agent's version in use."""
-    return g.agent is not None and current.get(g.agent) == cast(tuple, g.gid)[2]
+def _protect(parent: Group, child: Group, now: float) -> None:
+    """Give `parent` its child's score where that keeps it longer. Compared by eviction key (see
+    eviction.py) at the age of the parent's free head, so that a child on plain LRU order
+    (confidence 0, its `model` meaningless) protects its prefix as LRU would, and a confident child
+    by its prediction: evicting a prefix before what follows it wastes both."""
+    head = parent.head
+    if head is None:     # nothing of it is free now: keep the nearer prediction for later
+        if child.model < parent.model:
+            parent.model = child.model
+        return
+    age = math.log(max(now - head.freed_at, 0.0) + 1e-3)
+    pc, cc = parent.conf, child.conf
+    if pc <= 0.0:
+        parent_key = age
+    elif parent.model == math.inf:
+        parent_key = math.inf
+    else:
+        parent_key = pc * parent.model + (1.0 - pc) * age
+    child_key = age if cc <= 0.0 else cc * child.model + (1.0 - cc) * age
+    if child_key < parent_key:
+        if cc > 0.0:
+            parent.model, parent.conf = child.model, cc
+        else:
+            parent.model, parent.conf = 0.0, 0.0
 
 
 class _Row:
@@ -114,11 +164,11 @@ class SurvivalScorer:
         self.learner = learner
         self.sessions = sessions
         self.cost = cost
-        self.current_anchor: dict[str, int] = {}  # agent -> anchor version node in use now
+        self.current_anchor: dict[str, int] = {}  # agent -> its newest anchor version (node) in use
         self.step_s = 1.0             # typical time between two calls of one session (EMA)
         self.new_session_share = 0.0  # share of calls that open a session (EMA)
         self.duration = _Timing(1.0)  # seconds a call of an agent takes
-        self.think = _Timing(1.0)     # seconds from a call's end to the session's next call
+        self.think = _Timing(1.0, typical=True)   # seconds from a call's end to the session's next call
         self._arrivals = 0.0          # time-decayed new sessions ...
         self._elapsed = 0.0           # ... over time-decayed seconds
         self._last_arrival_at: float | None = None
@@ -256,15 +306,18 @@ class SurvivalScorer:
         # alive * P(x within the horizon) / (time to the call that uses x).
         self._round += 1
         rnd = self._round
-        anchor_rate: dict[str, float] = {}
+        # Anchor use rates per anchor version (node): a session calls again the version it used
+        # last (several versions of one agent's anchor can be in use at once: one per user, per
+        # project), a session new to the agent its newest.
+        anchor_rate: dict[int, float] = {}
         per_agent: dict[str, _AgentView] = {}
         num = den = 0.0
         # Only groups with free blocks can give victims; the others keep their last scores until
-        # the next rescoring after their blocks are freed. So only the agents whose current anchor
+        # the next rescoring after their blocks are freed. So only the agents with an anchor that
         # has free blocks need a use rate.
         free_groups = list(index.free_groups())
         current = self.current_anchor
-        wanted = {g.agent for g in free_groups if g.kind == "anchor" and _is_current(current, g)}
+        wanted = {g.agent for g in free_groups if g.kind == "anchor"}
 
         # Sessions idle long enough are all but certainly over: they add nothing to the anchors'
         # rates (their own contexts are scored below, when they have free blocks).
@@ -273,18 +326,22 @@ class SurvivalScorer:
                 continue
             view = self._view(s, s.agent, now, rnd, per_agent, overrides, wanted)
             t_next, alive = s.view_t_next, s.view_alive
+            used = s.anchor_nodes
             for x, p, e in view.uses:
-                anchor_rate[x] = anchor_rate.get(x, 0.0) + alive * p / (t_next + e * step)
+                node = used.get(x, 0) or current.get(x, 0)
+                anchor_rate[node] = anchor_rate.get(node, 0.0) + alive * p / (t_next + e * step)
             nxt = s.view_next
-            if nxt is not None:
-                anchor_rate[nxt] = anchor_rate.get(nxt, 0.0) + alive / t_next   # the framework said so
+            if nxt is not None:   # the framework said so
+                node = used.get(nxt, 0) or current.get(nxt, 0)
+                anchor_rate[node] = anchor_rate.get(node, 0.0) + alive / t_next
             num += alive * view.row.conf
             den += alive
         new_rate = self.new_session_rate
         if new_rate > 0 and self.learner.has_row(START):
             start = self._row(START)
             for x, p, _ in start.uses:
-                anchor_rate[x] = anchor_rate.get(x, 0.0) + new_rate * p
+                node = current.get(x, 0)
+                anchor_rate[node] = anchor_rate.get(node, 0.0) + new_rate * p
             share = new_rate * step
             num += share * start.conf
             den += share
@@ -294,6 +351,7 @@ class SurvivalScorer:
         floor = -math.log(_RATE_FLOOR)
         backed_value = self.cost.backed_value("cpu")
         link = self.session_links()
+        revival = self.sessions.revival_share()
         anchors = []
         preambles = []
         session_of = self.sessions.get
@@ -303,7 +361,8 @@ class SurvivalScorer:
                 agent = g.agent
                 ses = session_of(g.session)
                 if ses is None:
-                    rate, conf = 0.0, conf_all             # the session is over
+                    # The session is over (it expired), as far as expired sessions stay away.
+                    rate, conf = 0.0, conf_all * (1.0 - revival)
                 elif ses.agent is None or agent is None:
                     rate, conf = 0.0, 0.0                  # nothing known: LRU
                 else:
@@ -313,18 +372,29 @@ class SurvivalScorer:
                     t_next, alive = ses.view_t_next, ses.view_alive
                     p = row.reach.get(agent, 0.0)
                     rate = alive * p / (t_next + row.extra.get(agent, 0.0) * step) if p else 0.0
+                    if rate > 0.0:
+                        # Timing as far as the waits are regular: where they are not, the time a
+                        # session has idled stands in for when it calls next (as in LRU).
+                        r = self.think.reliability(ses.agent)
+                        head = g.head
+                        if r < 1.0 and head is not None:
+                            idle = max(now - head.freed_at, 0.0) + 1e-3
+                            rate = math.exp(r * math.log(rate) + (1.0 - r) * (math.log(p) - math.log(idle)))
                     conf = row.conf * link
                     if ses.view_next == agent:             # the framework said so
                         rate = max(rate, alive / t_next)
                         conf = 1.0
             elif kind == "anchor":
                 anchors.append(g)
-                rate = anchor_rate.get(g.agent, 0.0) if g.agent is not None and _is_current(current, g) else 0.0
+                rate = anchor_rate.get(cast(tuple, g.gid)[2], 0.0) if g.agent is not None else 0.0
                 conf = conf_all
             elif kind == "preamble":
                 preambles.append(g)
                 g.model = math.inf
                 g.conf = conf_all * trust
+                continue
+            elif kind == "stale":   # left out of their session's latest prompt: no use is expected
+                g.model, g.conf = floor, conf_all * trust
                 continue
             else:
                 g.model, g.conf = 0.0, 0.0
@@ -333,13 +403,14 @@ class SurvivalScorer:
                 rate *= 1.0 - (g.n_backed_free / g.n_free) * (1.0 - backed_value)
             g.model = -math.log(rate) if rate > _RATE_FLOOR else floor
             g.conf = conf * trust
-        # A prefix is needed whenever anything below it is: parents never look colder than children.
+        # A prefix is needed whenever anything below it is: parents never look colder than
+        # children (contexts, then anchors, pass their scores up).
         for g in free_groups:
-            if g.kind == "context" and g.parent is not None and g.model < g.parent.model:
-                g.parent.model = g.model
+            if g.kind == "context" and g.parent is not None:
+                _protect(g.parent, g, now)
         for g in anchors:
-            if g.parent is not None and g.model < g.parent.model:
-                g.parent.model = g.model
+            if g.parent is not None:
+                _protect(g.parent, g, now)
         for g in preambles:
             if g.model == math.inf:
                 g.model = floor

@@ -34,7 +34,7 @@ def _feed(guard: LruGuard, windows: int, ours_hits: bool, lru_hits: bool):
             key = next(_keys)
         if lru_hits:
             guard._free[key] = None    # the shadow holds it
-        guard.accessed([key], {key} if ours_hits else set())
+        guard.accessed([key], 1 if ours_hits else 0)
         guard.released([key])
 
 
@@ -59,11 +59,11 @@ def test_shadow_never_evicts_held_blocks():
     g = LruGuard()
     g.capacity = 3 * guard_mod.SAMPLE
     keys = [k for k in range(200) if hash(k) % guard_mod.SAMPLE == 0][:5]
-    g.accessed(keys[:4], set())      # four held: over capacity, but nothing is free to evict
+    g.accessed(keys[:4], 0)          # four held: over capacity, but nothing is free to evict
     assert g._held == set(keys[:4]) and not g._free
     g.released(keys[:3])             # free in release order; evicted only when room is needed
     assert list(g._free) == keys[:3]
-    g.accessed(keys[4:], set())      # room for one more held block: the two oldest free go
+    g.accessed(keys[4:], 0)          # room for one more held block: the two oldest free go
     assert list(g._free) == [keys[2]] and g._held == {keys[3], keys[4]}
 
 

@@ -418,7 +418,7 @@ def test_a_replica_killed_mid_flush_leaves_a_whole_blob_and_its_successor_starts
     r.close()
 
 
-@pytest.mark.parametrize("family, seed", [("gsm8k", 1), ("mtbench", 0)])
+@pytest.mark.parametrize("family, seed", [("gaia", 1), ("mtbench", 0)])
 def test_agents_named_differently_by_two_replicas_meet_under_shared_names(redis_server, family, seed):
     """A replica names an agent after what it saw first, so two replicas can give one agent two
     local names; the shared state carries names derived from the prompts' content instead."""
