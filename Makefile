@@ -19,7 +19,7 @@ NATIVE_STAMP := policy/_native/SOURCES.json
 # The tests that pin the policy core's, the GPU steering's and the replay engine's behaviour, run
 # again on the sources.
 PURE_TESTS := tests/test_policy.py tests/test_eviction.py tests/test_sessions.py tests/test_fingerprint.py \
-	tests/test_transitions.py tests/test_guard.py tests/test_prefetch.py tests/test_oracle.py tests/test_trace.py \
+	tests/test_transitions.py tests/test_guard.py tests/test_prefetch.py tests/test_belady.py tests/test_bound.py tests/test_trace.py \
 	tests/test_connector_vllm.py
 
 .PHONY: bench test microbench state-bench manifests venv tools native clean-venv

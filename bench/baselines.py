@@ -6,7 +6,8 @@
   bounded. Otherwise vLLM's LRU. It is given the true agent of every call. Continuum weighs a pin's
   cost against its benefit; we read that charitably: an agent's calls are pinned only while at least
   half of that agent's recent pins were reused before they expired (in a supervisor workflow the
-  next call usually goes to another agent, whose prefix differs).
+  next call usually goes to another agent, whose prefix differs). Calls without a known agent (a
+  trace that does not label them) share one estimate.
 - KVFlow (workflow-aware KV cache management): every cached agent prefix and session context gets
   an eviction priority from its agent's steps-to-execution in the workflow's agent step graph, and
   the agents about to run have their KV prefetched from CPU to GPU. It is given an oracle: the true
@@ -28,6 +29,7 @@ from .replay import ReplayPolicy, Request, call_keys
 from .workloads import Session
 
 _EMA: Final = 0.1
+_ANY_AGENT: Final = "<any>"   # Continuum's key for calls of unknown agent
 
 
 class ContinuumPolicy(ReplayPolicy):
@@ -47,7 +49,7 @@ class ContinuumPolicy(ReplayPolicy):
         self._paid: dict[str, float] = {}                        # agent -> share of pins reused (EMA)
 
     def arrived(self, req: Request, now: float) -> None:
-        last = self._ended.pop(req.session.session_id, None)
+        last = self._ended.pop(req.session.session_id, None)   # (agent, when its call ended)
         if last is not None:
             agent, t = last
             old = self._gap.get(agent)
@@ -56,9 +58,10 @@ class ContinuumPolicy(ReplayPolicy):
 
     def finished(self, req: Request, now: float) -> None:
         # Runs before the request's blocks are freed (as vLLM's request_finished does).
-        self._ended[req.session.session_id] = (req.agent, now)
-        gap = self._gap.get(req.agent)
-        if gap is None or gap > self.max_ttl_s or self._paid.get(req.agent, 1.0) < 0.5:
+        agent = req.agent if req.agent is not None else _ANY_AGENT
+        self._ended[req.session.session_id] = (agent, now)
+        gap = self._gap.get(agent)
+        if gap is None or gap > self.max_ttl_s or self._paid.get(agent, 1.0) < 0.5:
             return                       # no record yet, tool calls too long, or pins do not pay
         tracked = len(self.free) + len(self.pinned) + 1
         if len(self.pinned) >= self.max_pinned_share * tracked:
@@ -66,7 +69,7 @@ class ContinuumPolicy(ReplayPolicy):
         expiry = now + min(self.ttl_factor * gap, self.max_ttl_s)
         for k in req.keys:
             self._pin_on_free[k] = expiry
-            self._pin_agent[k] = req.agent
+            self._pin_agent[k] = agent
 
     def freed(self, keys: Sequence[Hashable], now: float) -> None:
         for k in keys:
@@ -118,6 +121,10 @@ class KVFlowPolicy(ReplayPolicy):
     _HORIZON = 8      # steps looked ahead; farther is "never"
 
     def __init__(self, sessions: Sequence[Session], block_size: int) -> None:
+        unlabelled = sum(c.agent is None for s in sessions for c in s.calls)
+        if unlabelled:
+            raise ValueError(f"kvflow needs the true agent of every call (its workflow graph is built from them); "
+                             f"{unlabelled:,} calls here have none")
         counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         keys_by_agent: dict[str, list[list[Hashable]]] = defaultdict(list)
         for s in sessions:
@@ -195,7 +202,7 @@ class KVFlowPolicy(ReplayPolicy):
                     self._score(g)
 
     def _group(self, req: Request, position: int):
-        agent, sid = req.agent, req.session.session_id
+        agent, sid = _agent_of(req), req.session.session_id
         gid: tuple
         if position < len(self.anchor.get(agent, ())):
             gid, kind = ("anchor", agent), "anchor"
@@ -209,10 +216,10 @@ class KVFlowPolicy(ReplayPolicy):
 
     def arrived(self, req: Request, now: float) -> None:
         sid = req.session.session_id
-        self._called.setdefault(sid, set()).add(req.agent)
+        self._called.setdefault(sid, set()).add(_agent_of(req))
         old = self.current.get(sid)
-        self.current[sid] = req.agent
-        self._session_moved(sid, old, req.agent)
+        self.current[sid] = _agent_of(req)
+        self._session_moved(sid, old, _agent_of(req))
         self._arrivals += 1
         if self._arrivals % 512 == 0:
             self.index.prune_groups()   # finished sessions' empty contexts
@@ -225,7 +232,7 @@ class KVFlowPolicy(ReplayPolicy):
 
     def admitted(self, req: Request, keys: Sequence[Hashable], num_cached: int, now: float) -> None:
         # The anchor's blocks, then the context's: two groups, looked up once each.
-        split = min(len(self.anchor.get(req.agent, ())), len(keys))
+        split = min(len(self.anchor.get(_agent_of(req), ())), len(keys))
         add = self.index.add
         if split:
             group = self._group(req, 0)
@@ -279,6 +286,12 @@ class KVFlowPolicy(ReplayPolicy):
                     keys.append(key)
                     self._agent_of[key] = agent
         return keys
+
+
+def _agent_of(req: Request) -> str:
+    agent = req.agent
+    assert agent is not None, "KVFlow checks at construction that every call names its agent"
+    return agent
 
 
 def _common_prefix(seqs: Sequence[Sequence[Hashable]]) -> list[Hashable]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -21,8 +22,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--workloads", default="gsm8k,mtbench,gaia,swebench",
                    help="comma-separated task families (default: all four)")
     b.add_argument("--policies", default=None,
-                   help="comma-separated policies (default lru,cachescout,cachescout-hints,oracle; "
-                        "with --engine vllm: lru,cachescout)")
+                   help="comma-separated policies (default lru,cachescout,cachescout-hints,oracle, without "
+                        "cachescout-hints on a trace that does not label agents; with --engine vllm: lru,cachescout)")
     b.add_argument("--engine", default="fast", choices=("fast", "vllm"),
                    help="fast: the pure-Python replay (default); vllm: replay on vLLM's own scheduler "
                         "with CacheScoutConnector beside the fast engine's figures (GPU tier real; with "
@@ -43,10 +44,25 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--redis-ratio", type=float, default=0.0, help="Redis tier as a multiple of the GPU cache")
     b.add_argument("--cost-profile", default="llama3.1-8b-h200",
                    help="step-time profile from bench/data/cost_profiles.json (default llama3.1-8b-h200)")
-    b.add_argument("--trace", default=None, help="replay this JSONL trace (.jsonl or .jsonl.gz) instead")
+    b.add_argument("--trace", default=None, metavar="PATH",
+                   help="replay this trace instead: a Mooncake-style JSONL file (.jsonl, .jsonl.gz) or "
+                        "kv-cache-tester conversation files (.json, .json.gz: one file, or a folder of them, "
+                        "mixed); the format is detected (docs/workloads.md)")
     b.add_argument("--trace-block-size", type=int, default=512,
-                   help="block size of trace records without 'block_size' (default 512, as Mooncake)")
-    b.add_argument("--strict-trace", action="store_true", help="reject a trace with any malformed line")
+                   help="block size of JSONL records without 'block_size' (default 512, as Mooncake)")
+    b.add_argument("--strict-trace", action="store_true", help="reject a trace with any malformed record")
+    b.add_argument("--trace-loop", default="auto", choices=("auto", "closed", "open"),
+                   help="closed: each call of a session issued its think time after the previous one finished; "
+                        "open: every call at its recorded time; auto (default): closed where think times are "
+                        "known (conversation files; JSONL sessions whose records all carry think_ms)")
+    b.add_argument("--trace-conversations", type=int, default=None, metavar="N",
+                   help="conversation folder: mix N of its conversations, chosen by --seed (default: all, at most 32)")
+    b.add_argument("--trace-window", type=float, default=1800.0, metavar="S",
+                   help="conversation folder: start the mixed conversations at random times within S seconds "
+                        "(by --seed; default 1800)")
+    b.add_argument("--trace-time-scale", type=float, default=1.0, metavar="X",
+                   help="multiply every timestamp, offset and think time by X (e.g. 10 to spread a cluster's "
+                        "trace to one replica's load; default 1)")
     b.add_argument("--export-trace", default=None, metavar="DIR",
                    help="write each built-in workload's calls to DIR/<workload>.jsonl")
     b.add_argument("--json", default="results.json", help="where to write results (default results.json)")
@@ -179,7 +195,8 @@ def _config(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from .policies import REGISTRY
     from .replay import CostProfile
-    from .run import BenchOptions, run
+    from .run import DEFAULT_POLICIES, BenchOptions, run
+    from .trace import TraceOptions
     from .workloads import FAMILIES, ROUTINGS
 
     families = [f for f in args.workloads.split(",") if f]
@@ -187,7 +204,7 @@ def _bench(args: argparse.Namespace) -> int:
     tiered = bool(args.cpu_blocks or args.redis_blocks or args.cpu_ratio or args.redis_ratio)
     vllm_policies = ("lmcache-lru", "cachescout") if tiered else ("lru", "cachescout")
     policies = [p for p in (args.policies or (",".join(vllm_policies) if vllm else
-                                              "lru,cachescout,cachescout-hints,oracle")).split(",") if p]
+                                              ",".join(DEFAULT_POLICIES))).split(",") if p]
     if vllm:
         if any(p not in vllm_policies for p in policies):
             raise ValueError(f"--policies: --engine vllm{' with CPU/Redis tiers' if tiered else ''} runs "
@@ -206,14 +223,31 @@ def _bench(args: argparse.Namespace) -> int:
     if min(args.cpu_blocks, args.redis_blocks, args.cpu_ratio, args.redis_ratio) < 0:
         raise ValueError("--cpu-blocks, --redis-blocks, --cpu-ratio and --redis-ratio must be >= 0")
     CostProfile.named(args.cost_profile)   # an unknown name fails here, listing the known ones
-    if args.trace_block_size < 1:
-        raise ValueError("--trace-block-size must be a positive integer")
+    trace_options = TraceOptions()
+    if args.trace:
+        if not os.path.exists(args.trace):
+            raise ValueError(f"--trace {args.trace}: no such file or folder")
+        if not 1 <= args.trace_block_size <= 65536:
+            raise ValueError(f"--trace-block-size must be an integer in 1..65536, got {args.trace_block_size}")
+        if args.trace_conversations is not None and args.trace_conversations < 1:
+            raise ValueError(f"--trace-conversations must be a positive integer, got {args.trace_conversations}")
+        if not (math.isfinite(args.trace_window) and args.trace_window >= 0):
+            raise ValueError(f"--trace-window must be a finite number of seconds >= 0, got {args.trace_window}")
+        if not (math.isfinite(args.trace_time_scale) and args.trace_time_scale > 0):
+            raise ValueError(f"--trace-time-scale must be a finite number > 0, got {args.trace_time_scale}")
+        trace_options = TraceOptions(block_size=args.trace_block_size, strict=args.strict_trace,
+                                     loop=args.trace_loop, conversations=args.trace_conversations,
+                                     window_s=args.trace_window, seed=args.seed, time_scale=args.trace_time_scale)
+    for flag, where in (("--json", args.json), ("--plots", None if args.no_sweeps or vllm else args.plots)):
+        folder = os.path.dirname(os.path.abspath(where)) if where else None
+        if folder is not None and not os.path.isdir(folder):
+            raise ValueError(f"{flag} {where}: the folder {folder} does not exist")
     if args.trace and args.export_trace:
         raise ValueError("--export-trace writes the built-in workloads; it cannot be combined with --trace")
     opts = BenchOptions(families=families, policies=policies, sessions=args.sessions, rate=args.rate,
                         routing=args.routing, arrivals=args.arrivals, seed=args.seed,
                         gpu_blocks=args.gpu_blocks, block_size=args.block_size, trace=args.trace,
-                        trace_block_size=args.trace_block_size, strict_trace=args.strict_trace,
+                        trace_options=trace_options, policies_chosen=args.policies is not None,
                         export_trace=args.export_trace, cpu_blocks=args.cpu_blocks,
                         redis_blocks=args.redis_blocks, cpu_ratio=args.cpu_ratio,
                         redis_ratio=args.redis_ratio, cost_profile=args.cost_profile,

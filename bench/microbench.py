@@ -37,7 +37,7 @@ from .run import calibrate_gpu_blocks
 from .workloads import FAMILIES, WorkloadSpec, generate
 
 REPLAY_POLICIES = ("lru", "continuum", "kvflow", "cachescout", "cachescout-hints",
-                   "cachescout-hashonly", "oracle")
+                   "cachescout-hashonly", "belady")
 
 
 def _median_us(samples_ns: list[float]) -> float:

@@ -6,7 +6,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig
 
-from .oracle import OraclePolicy
+from .belady import BeladyPolicy
 from .baselines import ContinuumPolicy, KVFlowPolicy
 from .replay import LMCacheLRUPolicy, LRUPolicy, ReplayPolicy, Request
 from .workloads import Session
@@ -88,7 +88,7 @@ class CacheScoutReplay(ReplayPolicy):
             self.core.finish(req, now, output_chunks=call.output_chunks)
 
 
-# Each factory gets the policy settings and the workload (only the oracle looks at the future).
+# Each factory gets the policy settings and the workload (only belady looks at the future).
 REGISTRY: dict[str, Callable[[PolicyConfig, Sequence[Session]], ReplayPolicy]] = {
     "lru": lambda cfg, sessions: LRUPolicy(),
     "cachescout": lambda cfg, sessions: CacheScoutReplay(cfg),
@@ -98,7 +98,7 @@ REGISTRY: dict[str, Callable[[PolicyConfig, Sequence[Session]], ReplayPolicy]] =
     "lmcache-lru": lambda cfg, sessions: LMCacheLRUPolicy(),
     "continuum": lambda cfg, sessions: ContinuumPolicy(),
     "kvflow": lambda cfg, sessions: KVFlowPolicy(sessions, cfg.block_size),
-    "oracle": lambda cfg, sessions: OraclePolicy(sessions, cfg.block_size),
+    "belady": lambda cfg, sessions: BeladyPolicy(sessions, cfg.block_size),
 }
 
 

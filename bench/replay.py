@@ -34,7 +34,7 @@ import operator
 from collections import OrderedDict, deque
 from importlib import resources
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any, cast
+from typing import Any, Final, cast
 
 from .workloads import Session
 
@@ -263,8 +263,8 @@ class Request:
     due: int = -1                # while decoding: the next step it touches the cache or ends in
 
     @property
-    def agent(self) -> str:
-        return self.call.agent
+    def agent(self) -> str | None:
+        return self.call.agent   # None: a trace record that does not name its agent
 
 
 class _Decoding:
@@ -409,6 +409,112 @@ class ReplayResult:
         }
 
 
+class SessionFlow:
+    """When each call of a set of sessions is issued, as their calls finish: the one rule both
+    engines (this one and vLLM's scheduler, vllm_replay.py) follow.
+
+    Closed loop by default: a session's next call comes its predecessor's `think_s` after that
+    one finished. A session with `offsets_s` is open loop: every call at its own time. A session
+    with a `parent` (a sub-agent) starts when its parent's call `after_call` has finished (plus its
+    `arrival_s`), and the parent's next call waits until all the sub-sessions it started are done."""
+
+    def __init__(self, sessions: Sequence[Session]) -> None:
+        self.sessions = sessions
+        self.total_calls = 0
+        by_id: dict[str, Session] = {}
+        for s in sessions:
+            if s.session_id in by_id:
+                raise ValueError(f"session id {s.session_id!r} is used by two sessions")
+            if not s.calls:
+                raise ValueError(f"session {s.session_id!r} has no calls")
+            if s.offsets_s and len(s.offsets_s) != len(s.calls):
+                raise ValueError(f"session {s.session_id!r}: {len(s.offsets_s)} offsets for {len(s.calls)} calls")
+            by_id[s.session_id] = s
+            self.total_calls += len(s.calls)
+        self._by_id = by_id
+        self._children: dict[tuple[str, int], list[Session]] = {}
+        for s in sessions:
+            if s.parent is None:
+                continue
+            parent = by_id.get(s.parent)
+            if parent is None or parent.offsets_s or not 0 <= s.after_call < len(parent.calls):
+                raise ValueError(f"sub-session {s.session_id!r}: no closed-loop session {s.parent!r} "
+                                 f"with a call {s.after_call}")
+            self._children.setdefault((s.parent, s.after_call), []).append(s)
+        self._open: dict[tuple[str, int], int] = {}   # (parent, call) -> sub-sessions not yet done
+
+    def initial(self) -> list[tuple[float, Session, int]]:
+        """(issue time, session, call index) of the calls known at the start."""
+        out: list[tuple[float, Session, int]] = []
+        for s in self.sessions:
+            if s.parent is not None:
+                continue
+            if s.offsets_s:
+                out.extend((s.arrival_s + off, s, k) for k, off in enumerate(s.offsets_s))
+            else:
+                out.append((s.arrival_s, s, 0))
+        return out
+
+    def finished(self, s: Session, index: int, now: float) -> list[tuple[float, Session, int]]:
+        """Calls that the end of call `index` of `s` at `now` releases."""
+        if s.offsets_s:
+            return []
+        kids = self._children.get((s.session_id, index))
+        if kids:
+            self._open[(s.session_id, index)] = len(kids)
+            return [(now + k.arrival_s, k, 0) for k in kids]
+        return self._after(s, index, now)
+
+    def _after(self, s: Session, index: int, now: float) -> list[tuple[float, Session, int]]:
+        """Call `index` of `s` is complete, sub-sessions included: its successor, or, at the
+        session's end, what its parent was waiting for."""
+        if index + 1 < len(s.calls):
+            return [(now + s.calls[index].think_s, s, index + 1)]
+        if s.parent is None:
+            return []
+        key = (s.parent, s.after_call)
+        left = self._open[key] - 1
+        self._open[key] = left
+        if left:
+            return []
+        del self._open[key]
+        return self._after(self._by_id[s.parent], s.after_call, now)
+
+
+# Event kinds of `Engine.log` (bound.py): a call admitted (its prompt's block keys, how many of
+# them a hit may cover, whether its hits count, whether its prompt ends in a partial block), a
+# decode step opening a block, a decode step filling one (its key), a call releasing its blocks
+# (finished or preempted), a block prefetched into the cache.
+EV_ADMIT: Final = 0
+EV_OPEN: Final = 1
+EV_FILL: Final = 2
+EV_RELEASE: Final = 3
+EV_PREFETCH: Final = 4
+
+
+class CacheTooSmall(ValueError):
+    """A call cannot fit in the GPU cache at all."""
+
+
+def blocks_needed(call: Any, block_size: int) -> int:
+    """Blocks a call holds at its end: its prompt and output (the last output token's KV is never
+    written)."""
+    return -(-(call.prompt_len + max(call.output_len - 1, 0)) // block_size)
+
+
+def check_fits(sessions: Sequence[Session], gpu_blocks: int, block_size: int) -> None:
+    """CacheTooSmall naming the first call whose prompt and output cannot fit in the GPU cache at
+    once (it would preempt itself for ever)."""
+    for s in sessions:
+        for k, call in enumerate(s.calls):
+            need = blocks_needed(call, block_size)
+            if need > gpu_blocks:
+                where = getattr(call, "where", None) or f"session {s.session_id} call {k}"
+                raise CacheTooSmall(f"{where}: {call.prompt_len:,} prompt and {call.output_len:,} output tokens need "
+                                 f"{need:,} blocks of {block_size} tokens; the GPU cache holds {gpu_blocks:,}: give it "
+                                 "more blocks or leave such calls out")
+
+
 def _pct(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return 0.0
@@ -435,6 +541,9 @@ class Engine:
         self._load_s = 0.0                    # tier loads done for the step being built
         self.load_s_total = 0.0
         self._prefetched: set[Hashable] = set()   # prefetched blocks not yet used or evicted
+        # With `record()`, every event of the GPU cache that does not depend on eviction choices
+        # (bound.py replays them with the best choices there are).
+        self.log: list[tuple] | None = None
         self.prefetch_issued = 0
         self.prefetch_used = 0
         self.prefetch_wasted = 0
@@ -495,7 +604,14 @@ class Engine:
             ref[k] = c + 1
         return reused
 
+    def record(self) -> Engine:
+        """Keep the run's event log (`log`) for `bound.belady_hits`; returns the engine."""
+        self.log = []
+        return self
+
     def _release(self, req: Request) -> None:
+        if self.log is not None:
+            self.log.append((EV_RELEASE, id(req)))
         ref = self.ref
         freed = []
         for k in reversed(req.keys):   # tail first, as vLLM frees
@@ -557,6 +673,8 @@ class Engine:
         req.computed = end * bs
         req.last_hash = cast(int, hashes[-1]) if hashes else 0
         req.running = True
+        if self.log is not None:
+            self.log.append((EV_ADMIT, id(req), hashes, limit, not req.preempted, 1 if req.prompt_len % bs else 0))
         self.policy.admitted(req, req.keys, hit, self.now)
         if loads:
             for tier, n in loads:
@@ -575,6 +693,8 @@ class Engine:
             if not self._take(1):
                 return False
             req.partial_blocks += 1
+            if self.log is not None:
+                self.log.append((EV_OPEN, id(req)))
         if total % bs == 0:                      # a block just filled: it becomes cached
             if req.tokens is not None:
                 h = hash((req.last_hash, tuple(self._span(req, total - bs, total))))
@@ -583,6 +703,8 @@ class Engine:
             req.last_hash = h
             req.partial_blocks -= 1
             key: Hashable = h                    # one object for every use below
+            if self.log is not None:
+                self.log.append((EV_FILL, id(req), key))
             if key in self.ref:                  # the same content is cached: share it, drop ours
                 reused = self._hold([key])
                 if reused:
@@ -633,12 +755,14 @@ class Engine:
     def _run(self, sessions: Sequence[Session], progress: Callable[[int, int], None] | None,
              max_preemptions: int | None) -> ReplayResult:
         cfg = self.cfg
+        check_fits(sessions, cfg.gpu_blocks, cfg.block_size)
+        flow = SessionFlow(sessions)
         pending: list[tuple[float, int, Request]] = []
         order = 0
-        for s in sessions:
-            heapq.heappush(pending, (s.arrival_s, order, Request(s, 0, s.calls[0], s.arrival_s)))
+        for t, s, k in flow.initial():
+            heapq.heappush(pending, (t, order, Request(s, k, s.calls[k], t)))
             order += 1
-        total_calls = sum(len(s.calls) for s in sessions)
+        total_calls = flow.total_calls
         waiting: deque[Request] = deque()
         running: list[Request] = []        # in admission order, as vLLM's running queue
         prefilling: list[Request] = []     # the running requests whose prompt is not all computed
@@ -747,10 +871,8 @@ class Engine:
                 decoding.leave(req)
                 done.append(req)
                 req.tokens = None  # free memory
-                nxt = req.index + 1
-                if nxt < len(req.session.calls):
-                    t = self.now + req.call.think_s
-                    heapq.heappush(pending, (t, order, Request(req.session, nxt, req.session.calls[nxt], t)))
+                for t, s, k in flow.finished(req.session, req.index, self.now):
+                    heapq.heappush(pending, (t, order, Request(s, k, s.calls[k], t)))
                     order += 1
                 if progress is not None:
                     progress(len(done), total_calls)
@@ -780,6 +902,8 @@ class Engine:
                 self.ref[key] = 0
                 self.cached_free += 1
                 self._prefetched.add(key)
+                if self.log is not None:
+                    self.log.append((EV_PREFETCH, key))
                 arrived.append(key)
                 to_gpu -= 1
             elif tier == "redis" and to_cpu > 0 and self.cpu is not None:

@@ -23,8 +23,8 @@ from cachescout.policy import NATIVE_STATUS
 
 from .run import BenchOptions, run
 
-ALL_POLICIES = ("lru", "continuum", "kvflow", "cachescout", "cachescout-hints", "cachescout-hashonly", "oracle")
-TIER_POLICIES = ("lru", "lmcache-lru", "continuum", "kvflow", "cachescout-noprefetch", "cachescout", "oracle")
+ALL_POLICIES = ("lru", "continuum", "kvflow", "cachescout", "cachescout-hints", "cachescout-hashonly", "belady")
+TIER_POLICIES = ("lru", "lmcache-lru", "continuum", "kvflow", "cachescout-noprefetch", "cachescout", "belady")
 # (key, title, text, options, flags shown)
 SCENARIOS = (
     ("learned", "Learned routing (the default workloads)",

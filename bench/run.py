@@ -8,20 +8,24 @@ import multiprocessing
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import cast
 from pathlib import Path
 
 from cachescout.policy import NATIVE_STATUS, PolicyConfig
 
 from .metrics import inference_accuracy
 from .policies import make_policy
-from .replay import CostProfile, Engine, EngineConfig, PromptKeys
+from .bound import belady_hits
+from .replay import CostProfile, Engine, EngineConfig, PromptKeys, blocks_needed
 from .table import render
 from .sweep import CACHE_FACTORS, LOAD_FACTORS, SWEEP_POLICIES, cache_sweep, load_sweep, plot
-from .trace import export_trace, read_trace
+from .trace import TraceOptions, export_trace, load_trace
 from .workloads import Session, WorkloadSpec, anchor_share, generate
 
-DEFAULT_POLICIES = ("lru", "cachescout", "cachescout-hints", "oracle")
+DEFAULT_POLICIES = ("lru", "cachescout", "cachescout-hints", "belady")
+NEED_AGENTS = ("cachescout-hints", "kvflow")   # given the true agents (and sessions) of every call
 TARGET_LRU_HIT = 0.68  # default pressure: LRU inside the 60-75% band
+CEILING_SHARE = 0.8    # ... or at this share of the unbounded cache's hit rate, if lower
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,11 +50,12 @@ class BenchOptions:
     plots: str | None = None            # write the PNG here
     jobs: int = 1                       # workloads replayed in parallel processes
     fresh_process: bool = False         # each workload in a new interpreter, one at a time (clean timings)
-    trace: str | None = None            # replay this trace file instead of the built-in workloads
-    trace_block_size: int = 512         # block size of trace records that do not state theirs
-    strict_trace: bool = False          # reject a trace with a malformed line (else skip it)
+    trace: str | None = None            # replay this trace (file or folder) instead of the built-in workloads
+    trace_options: TraceOptions = TraceOptions()   # how to read it (block size, loop, mix of conversations)
     export_trace: str | None = None     # write each built-in workload's calls here (a folder)
     engine: str = "fast"                # "vllm": also replay on vLLM's own scheduler (GPU tier only)
+    policies_chosen: bool = False       # False: `policies` is the default list, which leaves out
+                                        # cachescout-hints on a trace that does not label agents
 
 
 Progress = Callable[[str], None]
@@ -66,11 +71,15 @@ def calibrate_gpu_blocks(sessions: Sequence[Session], block_size: int, target: f
             result = Engine(EngineConfig(gpu_blocks=blocks, block_size=block_size),
                             make_policy("lru", PolicyConfig(block_size=block_size)), prompt_keys).run(
                                 sessions, max_preemptions=len(sessions))
-        except RuntimeError:  # too small to hold one request, or thrashing
+        except RuntimeError:  # thrashing
             return 0.0
         return result.summary()["token_hit_rate"]
 
+    # The largest call must fit (with room for a second one beside it).
+    least = max(blocks_needed(c, block_size) for s in sessions for c in s.calls)
     lo, hi = 512, 1024
+    while hi < 2 * least:
+        lo, hi = hi, hi * 2
     while lru_hit(hi) < target:
         lo, hi = hi, hi * 2
         if hi > 1 << 24:
@@ -96,13 +105,16 @@ def run_workload(family: str, opts: BenchOptions, progress: Progress | None = No
 
 
 def run_trace(opts: BenchOptions, progress: Progress | None = None) -> dict:
-    sessions, read = read_trace(opts.trace, block_size=opts.trace_block_size, strict=opts.strict_trace)
+    assert opts.trace is not None
+    sessions, read = load_trace(opts.trace, opts.trace_options)
     if not sessions:
-        raise ValueError(f"--trace {opts.trace}: no valid record ({read.skipped} skipped)")
+        why = f": {read.summary()}" if read.skipped else " (it holds no records)"
+        raise ValueError(f"--trace {opts.trace}: no valid record{why}")
     block_size = sessions[0].calls[0].block_size
     report = run_sessions(Path(opts.trace).name, sessions, block_size, opts, progress)
     report["trace"] = {"path": str(opts.trace), "records": read.records, "skipped": read.skipped,
-                       "errors": read.errors}
+                       "skip_reasons": dict(read.reasons), "skip_summary": read.summary(), "errors": read.errors,
+                       "options": dataclasses.asdict(opts.trace_options)}
     return report
 
 
@@ -113,18 +125,21 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     # Every replay below shares the prompts' block keys: each `replay_calls_per_s` is the policy's
     # replay alone (a trace file gives the keys once, too).
     prompt_keys = PromptKeys(block_size)
+    unbounded = Engine(EngineConfig(gpu_blocks=1 << 30, block_size=block_size),
+                       make_policy("lru", PolicyConfig(block_size=block_size)), prompt_keys).run(sessions)
+    unbounded_hit = unbounded.summary()["token_hit_rate"]
     blocks = opts.gpu_blocks
     if blocks is None:
+        # LRU at TARGET_LRU_HIT, or at 80% of what an unbounded cache hits where that is less (a
+        # trace with little reuse).
+        target = min(TARGET_LRU_HIT, CEILING_SHARE * unbounded_hit)
         if progress:
-            progress(f"{name}: sizing the GPU cache for LRU at {TARGET_LRU_HIT:.0%}")
-        blocks = calibrate_gpu_blocks(sessions, block_size, prompt_keys=prompt_keys)
+            progress(f"{name}: sizing the GPU cache for LRU at {target:.0%}")
+        blocks = calibrate_gpu_blocks(sessions, block_size, target=target, prompt_keys=prompt_keys)
     cpu_blocks = opts.cpu_blocks or int(opts.cpu_ratio * blocks)
     redis_blocks = opts.redis_blocks or int(opts.redis_ratio * blocks)
     cfg = EngineConfig(gpu_blocks=blocks, block_size=block_size, cpu_blocks=cpu_blocks,
                        redis_blocks=redis_blocks, cost=CostProfile.named(opts.cost_profile))
-    unbounded = Engine(EngineConfig(gpu_blocks=1 << 30, block_size=block_size),
-                       make_policy("lru", PolicyConfig(block_size=block_size)), prompt_keys).run(sessions)
-    bound = unbounded.summary()
     if export is not None:
         export.parent.mkdir(parents=True, exist_ok=True)
         export_trace(unbounded, export, block_size)
@@ -133,15 +148,25 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     labelled = all(c.agent is not None for s in sessions for c in s.calls)
     results = []
     policy_cfg = dataclasses.replace(opts.policy_config, block_size=block_size)
-    for policy_name in opts.policies:
-        if policy_name == "cachescout-hints" and not labelled:
-            raise ValueError("cachescout-hints needs every trace record to carry 'agent' (and 'session_id')")
+    policies = [p for p in opts.policies if labelled or opts.policies_chosen or p not in NEED_AGENTS]
+    for policy_name in policies:
+        if policy_name in NEED_AGENTS and not labelled:
+            unlabelled = sum(c.agent is None for s in sessions for c in s.calls)
+            raise ValueError(f"{policy_name} needs the true agent of every call ('agent' in the trace); "
+                             f"{unlabelled:,} calls here have none")
         policy = make_policy(policy_name, policy_cfg, sessions)
         t0 = time.perf_counter()
         tick = _ticker(progress, f"{name}: {policy_name}") if progress else None
-        summary = Engine(cfg, policy, prompt_keys).run(sessions, tick).summary()
+        engine = Engine(cfg, policy, prompt_keys).record()
+        summary = engine.run(sessions, tick).summary()
         summary["replay_wall_s"] = time.perf_counter() - t0
         summary["replay_calls_per_s"] = calls / summary["replay_wall_s"]
+        if progress:
+            progress(f"{name}: {policy_name}: the bound on its run")
+        # The best any eviction order could have hit on this run's own calls (bound.py).
+        summary["run_bound_gpu_hit_rate"] = (belady_hits(cast(list, engine.log), blocks, block_size)
+                                             / summary["prompt_tokens"] if summary["prompt_tokens"] else 0.0)
+        engine.log = None
         observations = getattr(policy, "observations", None)
         if observations is not None and labelled:
             summary.update(inference_accuracy(observations, warmup=min(200, calls // 10)))
@@ -157,27 +182,32 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
             done[0] += 1
             if progress:
                 progress(f"{name}: sweeps {done[0]}/{total}")
-        base_rate = opts.rate if opts.trace is None else None
+        base_rate = opts.rate if opts.trace is None else None   # a trace's load is given as a factor
         sweeps["cache_sweep"] = cache_sweep(sessions, cfg, policy_cfg, swept, known=known, tick=tick,
                                             prompt_keys=prompt_keys)
-        if base_rate is not None:
-            sweeps["load_sweep"] = load_sweep(sessions, cfg, policy_cfg, base_rate, swept,
-                                              ttft_budget_ms=opts.ttft_budget_ms, known=known, tick=tick,
-                                              prompt_keys=prompt_keys)
-            for r in results:
-                got = sweeps["load_sweep"].get(r["policy"])
-                if got:
-                    r["throughput_at_saturation_calls_per_s"] = got["throughput_at_saturation_calls_per_s"]
-                    r["max_load_within_ttft_budget_sessions_per_s"] = got["max_load_within_ttft_budget_sessions_per_s"]
+        sweeps["load_sweep"] = load_sweep(sessions, cfg, policy_cfg, base_rate, swept,
+                                          ttft_budget_ms=opts.ttft_budget_ms, known=known, tick=tick,
+                                          prompt_keys=prompt_keys)
+        for r in results:
+            got = sweeps["load_sweep"].get(r["policy"])
+            if got:
+                for k in ("throughput_at_saturation_calls_per_s", "max_load_within_ttft_budget_sessions_per_s",
+                          "max_load_factor_within_ttft_budget"):
+                    r[k] = got[k]
+    # One bound for every run: the best of the runs' own bounds (each bounds its run).
+    bound = max((r["run_bound_gpu_hit_rate"] for r in results), default=0.0)
+    for r in results:
+        r["within_bound"] = r["gpu_token_hit_rate"] <= bound + 1e-12
     lru = next((r for r in results if r["policy"] == "lru"), None)
-    oracle = next((r for r in results if r["policy"] == "oracle"), None)
     for r in results:
         if lru is None:
             continue
         r["ttft_mean_vs_lru"] = r["ttft_mean_ms"] / lru["ttft_mean_ms"] - 1 if lru["ttft_mean_ms"] else 0.0
-        if oracle is not None:
-            gap = oracle["token_hit_rate"] - lru["token_hit_rate"]
-            r["oracle_gap_closed"] = (r["token_hit_rate"] - lru["token_hit_rate"]) / gap if gap > 0 else 0.0
+        # Gap closed: GPU tier only (lower tiers' hits are not bounded by it), and only where the
+        # bound leaves room above LRU.
+        gap = bound - lru["gpu_token_hit_rate"]
+        if not (cpu_blocks or redis_blocks) and gap > 1e-9:
+            r["gap_closed"] = (r["gpu_token_hit_rate"] - lru["gpu_token_hit_rate"]) / gap
     return {
         "workload": name,
         "sessions": len(sessions),
@@ -188,7 +218,8 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         "redis_blocks": redis_blocks,
         "cost_profile": opts.cost_profile,
         "block_size": block_size,
-        "unbounded_cache_hit_rate": bound["token_hit_rate"],
+        "unbounded_cache_hit_rate": unbounded_hit,
+        "bound_gpu_hit_rate": bound,
         "results": results,
         **sweeps,
     }
@@ -265,9 +296,10 @@ def format_table(report: dict) -> str:
             f"GPU cache {report['gpu_blocks']} blocks x {report['block_size']} tokens, "
             + (f"CPU {report['cpu_blocks']}, Redis {report['redis_blocks']} blocks, "
                if report.get("cpu_blocks") or report.get("redis_blocks") else "") +
-            f"unbounded-cache hit rate {report['unbounded_cache_hit_rate']:.3f}")
+            f"bound on GPU hits {report['bound_gpu_hit_rate']:.3f} (Belady over each run's own calls), "
+            f"unbounded cache {report['unbounded_cache_hit_rate']:.3f}")
     if "trace" in report and report["trace"]["skipped"]:
-        head += f"\n  ({report['trace']['skipped']} malformed trace lines skipped, e.g. {report['trace']['errors'][0]})"
+        head += f"\n  ({report['trace']['skip_summary']})"
     cols = ("policy", "hit", "prefill tok", "TTFT mean", "TTFT p99", "vs LRU", "gap closed", "load@TTFT",
             "agents", "sessions", "next-agent")
     rows = [cols]
@@ -275,14 +307,23 @@ def format_table(report: dict) -> str:
         rows.append((
             r["policy"], f"{r['token_hit_rate']:.3f}", f"{r['prefill_tokens']:,}", f"{r['ttft_mean_ms']:.0f} ms",
             f"{r['ttft_p99_ms']:.0f} ms", f"{r.get('ttft_mean_vs_lru', 0.0):+.0%}",
-            f"{r['oracle_gap_closed']:.0%}" if "oracle_gap_closed" in r else "-",
-            (f"{r['max_load_within_ttft_budget_sessions_per_s']:g}/s"
-             if r.get("max_load_within_ttft_budget_sessions_per_s") is not None
-             else ("<" if "max_load_within_ttft_budget_sessions_per_s" in r else "-")),
+            f"{r['gap_closed']:.0%}" if "gap_closed" in r else "-",
+            _load_cell(r),
             f"{r['agent_accuracy']:.3f}" if "agent_accuracy" in r else "-",
             f"{r['session_continuity']:.3f}" if "session_continuity" in r else "-",
             f"{r['prediction_accuracy']:.3f}" if "prediction_accuracy" in r else "-"))
     return render(head, rows)
+
+
+def _load_cell(r: dict) -> str:
+    """The highest load within the TTFT budget: sessions per second, or a multiple of a trace's
+    own load; "<" when not even the lowest one swept stays within it."""
+    if "max_load_factor_within_ttft_budget" not in r:
+        return "-"
+    if r["max_load_within_ttft_budget_sessions_per_s"] is not None:
+        return f"{r['max_load_within_ttft_budget_sessions_per_s']:g}/s"
+    factor = r["max_load_factor_within_ttft_budget"]
+    return "<" if factor is None else f"x{factor:g}"
 
 
 def _run_workload_as_built(family: str, opts: BenchOptions, build: str) -> dict:
@@ -342,8 +383,11 @@ def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
     return {
         "semantics": "token-weighted prefix hits under vLLM block semantics (full blocks, chained hashes, "
                      "last prompt token always recomputed); TTFT on a virtual clock from the cost model",
-        "bound": "oracle: prefix-aware Belady on the GPU tier (the bound for eviction-only policies); "
-                 "oracle_gap_closed = (policy - lru) / (oracle - lru); unbounded_cache_hit_rate: an infinite cache",
+        "bound": "bound_gpu_hit_rate: the most of the runs' own bounds (run_bound_gpu_hit_rate: Belady over the "
+                 "run's calls as it admitted them, the best any eviction order could hit there; bench/bound.py), "
+                 "a bound on every run's GPU-tier hit rate; gap_closed = (policy - lru) / (bound - lru), GPU tier "
+                 "only, where the bound is above LRU; belady is a policy that knows a reference run's future, not "
+                 "a bound; unbounded_cache_hit_rate: an infinite cache",
         "build": NATIVE_STATUS,   # replay_wall_s and replay_calls_per_s depend on it, no other figure does
         "workloads": reports,
     }

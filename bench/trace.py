@@ -1,13 +1,16 @@
-"""Trace files: one LLM call per JSONL line, compatible with Mooncake's traces.
+"""Trace files: one LLM call per JSONL line, compatible with Mooncake's traces (reading, and
+writing the built-in workloads); `load_trace` also reads kv-cache-tester conversation files
+(conversations.py). The fields of both formats are in docs/workloads.md.
 
 Fields (Mooncake): `timestamp` (ms from the start), `input_length`, `output_length`, `hash_ids`
-(one id per block of the prompt, the last one possibly partial; equal ids mean equal content up to
-and including that block), optional `block_size` (else the reader's default, 512 as in Mooncake).
+(one id per block of the prompt, the last one possibly partial, or one per full block only, as
+vLLM hashes them; equal ids mean equal content up to and including that block), optional
+`block_size` (else the reader's default, 512 as in Mooncake).
 
 Extensions, all optional:
-- `session_id`: the workflow the call belongs to. With `think_ms`, calls of a session are replayed
-  closed-loop: each is issued `think_ms` after the session's previous call finished. Without it,
-  every call is issued at its `timestamp`.
+- `session_id`: the workflow the call belongs to. With `think_ms` on every record of a session,
+  the session is replayed closed-loop: after each call finishes, the session waits that call's
+  `think_ms` and issues its next one. Otherwise its calls are issued at their timestamps (open loop).
 - `agent`: the true agent (for evaluation and for hinted runs only; never shown to CacheScout
   otherwise).
 - `output_hash_ids`: ids of the blocks the output completes, continuing the prompt's chain (the
@@ -16,7 +19,8 @@ Extensions, all optional:
   `cachescout.policy.content_sketch`); `output_chunks`: `[hash, ...]` of the output's leading
   chunks. They let session inference work on a trace without shipping token ids.
 
-A malformed line is reported with its line number and skipped (or, with `strict`, rejected).
+A malformed line is reported with its line number and field and skipped (or, with `strict`,
+rejected); the report counts the reasons.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ import dataclasses
 import gzip
 import json
 import math
+import zlib
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -36,6 +42,10 @@ from .workloads import Session
 
 DEFAULT_BLOCK_SIZE = 512  # Mooncake's
 _MAX_IDS = 1 << 20        # ids per record: a larger record is refused, not allocated
+_MAX_TOKENS = 1 << 26     # prompt tokens per record (64 M: far past any model's context)
+_MAX_OUTPUT = 1 << 20     # output tokens per record
+_MAX_BLOCK_SIZE = 1 << 16
+_MAX_SECONDS = 1e9        # timestamps, offsets and think times (about 30 years)
 _SIGNED64 = 1 << 63
 # Tags mixed into hashes (ints, not strings: string hashes change with PYTHONHASHSEED).
 _UNKNOWN_OUTPUT = -0x6F7574
@@ -43,7 +53,13 @@ _PARTIAL = -0x706172
 
 
 class TraceError(ValueError):
-    """A trace line was rejected; the message names the line and the field."""
+    """A trace record (or file) was rejected; the message names the line or file and the field,
+    `reason` says why in a few words (the read report counts them)."""
+
+    def __init__(self, message: str, *, field: str | None = None, reason: str = "invalid") -> None:
+        super().__init__(message)
+        self.field = field
+        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -59,7 +75,13 @@ class TraceCall:
     output_hash_ids: tuple[int, ...] = ()
     chunks: tuple[tuple[int, int, int], ...] = ()
     output_chunks: tuple[int, ...] = ()
-    line: int = 0
+    line: int = 0         # the record's number, unique in its trace (a line of a JSONL file)
+    origin: str = ""      # where it came from, for messages (default: "line N")
+    end: str | None = None  # how the call ended (its stop reason: "tool_use", "end_turn", ...), if known
+
+    @property
+    def where(self) -> str:
+        return self.origin or f"line {self.line}"
 
     def prompt_tokens(self) -> None:
         return None
@@ -77,7 +99,8 @@ class TraceCall:
         chained over the ids so that a key names the whole prefix, whether or not the trace's
         ids already do."""
         if block_size != self.block_size:
-            raise TraceError(f"line {self.line}: block_size {self.block_size} differs from the replay's {block_size}")
+            raise TraceError(f"{self.where}: block_size {self.block_size} differs from the replay's {block_size}",
+                             field="block_size", reason="block size differs")
         keys = []
         h = 0
         for i in self.hash_ids[:self.input_length // self.block_size]:
@@ -93,7 +116,8 @@ class TraceCall:
         name (an output without `output_hash_ids`) is unique to this record."""
         bs = self.block_size
         if bs < 4:
-            raise TraceError(f"line {self.line}: block_size {bs} is too small to stand in tokens for ids (>= 4)")
+            raise TraceError(f"{self.where}: block_size {bs} is too small to stand in tokens for ids (>= 4)",
+                             field="block_size", reason="block size below 4")
 
         def block(ident: int, tag: int = 0) -> list[int]:
             # Four tokens spell the id (so different ids never give equal blocks); the rest are
@@ -135,25 +159,120 @@ class TraceCall:
 class TraceReadReport:
     records: int = 0
     skipped: int = 0
-    errors: list[str] = dataclasses.field(default_factory=list)  # first few, with line numbers
+    errors: list[str] = dataclasses.field(default_factory=list)      # the first few, with line/file and field
+    reasons: Counter[str] = dataclasses.field(default_factory=Counter)  # why records were skipped, counted
+    files: int = 0                                                   # files read (conversation traces)
+
+    def skip(self, exc: TraceError) -> None:
+        self.skipped += 1
+        self.reasons[exc.reason] += 1
+        if len(self.errors) < 20:
+            self.errors.append(str(exc))
+
+    def summary(self) -> str:
+        """One line: what was skipped and why (empty when nothing was)."""
+        if not self.skipped:
+            return ""
+        why = "; ".join(f"{n} {reason}" for reason, n in self.reasons.most_common(4))
+        more = len(self.reasons) - 4
+        return (f"{self.skipped} record(s) skipped ({why}{f'; {more} other reasons' if more > 0 else ''}), "
+                f"e.g. {self.errors[0]}")
+
+
+@dataclasses.dataclass(frozen=True)
+class TraceOptions:
+    """How to read and replay a trace (`cachescout bench --trace-*`)."""
+
+    block_size: int = DEFAULT_BLOCK_SIZE   # for Mooncake records without 'block_size'
+    strict: bool = False                   # reject the trace at its first malformed record
+    loop: str = "auto"                     # "closed", "open", or "auto": closed where think times are known
+    conversations: int | None = None       # conversation traces: how many to mix (default: all, at most 32)
+    window_s: float = 1800.0               # ... their start times spread uniformly over this window
+    seed: int = 1                          # ... which ones, and when they start
+    time_scale: float = 1.0                # every timestamp, offset and think time multiplied by this
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.block_size) and 1 <= self.block_size <= _MAX_BLOCK_SIZE):
+            raise ValueError(f"trace block_size must be an integer in 1..{_MAX_BLOCK_SIZE}, got {self.block_size!r}")
+        if self.loop not in LOOPS:
+            raise ValueError(f"trace loop must be one of {', '.join(LOOPS)}, got {self.loop!r}")
+        if self.conversations is not None and not (_is_int(self.conversations) and self.conversations >= 1):
+            raise ValueError(f"trace conversations must be a positive integer, got {self.conversations!r}")
+        for name in ("window_s", "time_scale"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) or (name == "time_scale" and v == 0):
+                raise ValueError(f"trace {name} must be a finite number {'> 0' if name == 'time_scale' else '>= 0'}, "
+                                 f"got {v!r}")
+
+
+LOOPS = ("auto", "closed", "open")
+
+
+def load_trace(path: str | Path, options: TraceOptions | None = None) -> tuple[list[Session], TraceReadReport]:
+    """Sessions to replay from a trace: a Mooncake-style JSONL file (.jsonl, .jsonl.gz), or
+    kv-cache-tester conversation files (.json, .json.gz: one, or a directory of them), detected
+    from the content. TraceError when the trace cannot be read at all."""
+    from .conversations import is_conversation_trace, read_conversations
+
+    options = options or TraceOptions()
+    path = Path(path)
+    if not path.exists():
+        raise TraceError(f"{path}: no such file or directory", reason="missing file")
+    if path.is_dir() or is_conversation_trace(path):
+        sessions, report = read_conversations(path, options)
+    else:
+        sessions, report = read_trace(path, block_size=options.block_size, strict=options.strict,
+                                      loop=options.loop)
+    if options.time_scale != 1.0:
+        sessions = [_scaled(s, options.time_scale) for s in sessions]
+    return sessions, report
+
+
+def _scaled(s: Session, x: float) -> Session:
+    calls = tuple(dataclasses.replace(c, think_s=c.think_s * x) for c in s.calls)
+    return dataclasses.replace(s, arrival_s=s.arrival_s * x, calls=calls, offsets_s=tuple(o * x for o in s.offsets_s))
+
+
+def open_text(path: Path) -> Iterator[str]:
+    """Lines of a text file, gzipped or not; a file that cannot be read (or a gzip cut short)
+    ends in a TraceError naming it, after the lines read before."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
+            yield from fh
+    except (OSError, EOFError, zlib.error) as exc:
+        raise TraceError(f"{path}: cannot be read to its end ({type(exc).__name__}: {exc})",
+                         reason="file cut short or corrupt") from None
 
 
 def read_trace(path: str | Path, *, block_size: int = DEFAULT_BLOCK_SIZE, strict: bool = False,
-               ) -> tuple[list[Session], TraceReadReport]:
-    """Sessions to replay from a trace file (.jsonl or .jsonl.gz) and a report of what was skipped."""
-    path = Path(path)
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as fh:
-        return parse_trace(fh, block_size=block_size, strict=strict)
+               loop: str = "auto") -> tuple[list[Session], TraceReadReport]:
+    """Sessions to replay from a Mooncake-style trace file (.jsonl or .jsonl.gz) and a report of
+    what was skipped. A file cut short keeps the records before the cut (counted as a skip)."""
+    return parse_trace(open_text(Path(path)), block_size=block_size, strict=strict, loop=loop)
 
 
 def parse_trace(lines: Iterable[str], *, block_size: int = DEFAULT_BLOCK_SIZE, strict: bool = False,
-                ) -> tuple[list[Session], TraceReadReport]:
-    if not (isinstance(block_size, int) and block_size > 0):
-        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+                loop: str = "auto") -> tuple[list[Session], TraceReadReport]:
+    if not (_is_int(block_size) and 1 <= block_size <= _MAX_BLOCK_SIZE):
+        raise ValueError(f"block_size must be an integer in 1..{_MAX_BLOCK_SIZE}, got {block_size!r}")
+    if loop not in LOOPS:
+        raise ValueError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
     report = TraceReadReport()
     rows: list[tuple[float, str | None, TraceCall]] = []
-    for number, raw in enumerate(lines, start=1):
+    number = 0
+    it = iter(lines)
+    while True:
+        try:
+            raw = next(it)
+        except StopIteration:
+            break
+        except TraceError as exc:   # the file ends early: keep what was read
+            if strict:
+                raise
+            report.skip(exc)
+            break
+        number += 1
         line = raw.strip()
         if not line:
             continue
@@ -163,96 +282,134 @@ def parse_trace(lines: Iterable[str], *, block_size: int = DEFAULT_BLOCK_SIZE, s
         except TraceError as exc:
             if strict:
                 raise
-            report.skipped += 1
-            if len(report.errors) < 20:
-                report.errors.append(str(exc))
+            report.skip(exc)
     sizes = {call.block_size for _, _, call in rows}
     if len(sizes) > 1:
         raise TraceError(f"records use several block sizes ({', '.join(map(str, sorted(sizes)))}); "
-                         "a replay needs one")
-    return _sessions(rows), report
+                         "a replay needs one", field="block_size", reason="several block sizes")
+    return _sessions(rows, loop), report
 
 
 def _record(line: str, number: int, default_block_size: int) -> tuple[float, str | None, TraceCall]:
-    def bad(field: str, why: str) -> TraceError:
-        return TraceError(f"line {number}: field {field!r} {why}")
+    def bad(field: str, why: str, reason: str | None = None) -> TraceError:
+        return TraceError(f"line {number}: field {field!r} {why}", field=field, reason=f"{field} {reason or 'invalid'}")
 
     try:
         rec = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise TraceError(f"line {number}: not valid JSON ({exc.msg})") from None
+    except (json.JSONDecodeError, RecursionError) as exc:
+        msg = exc.msg if isinstance(exc, json.JSONDecodeError) else "nested too deeply"
+        raise TraceError(f"line {number}: not valid JSON ({msg})", reason="not JSON") from None
+    except ValueError as exc:   # e.g. an integer literal beyond Python's digit limit
+        raise TraceError(f"line {number}: not valid JSON ({exc})", reason="not JSON") from None
     if not isinstance(rec, dict):
-        raise TraceError(f"line {number}: a record must be a JSON object")
-    timestamp = _number(rec.get("timestamp", 0), "timestamp", bad, minimum=0.0)
-    input_length = _integer(rec.get("input_length"), "input_length", bad, minimum=1)
-    output_length = _integer(rec.get("output_length", 1), "output_length", bad, minimum=1)
-    bs = _integer(rec.get("block_size", default_block_size), "block_size", bad, minimum=1)
+        raise TraceError(f"line {number}: a record must be a JSON object", reason="not a JSON object")
+    timestamp = _number(rec.get("timestamp", 0), "timestamp", bad, minimum=0.0, maximum=_MAX_SECONDS * 1e3)
+    input_length = _integer(rec.get("input_length"), "input_length", bad, minimum=1, maximum=_MAX_TOKENS)
+    output_length = _integer(rec.get("output_length", 1), "output_length", bad, minimum=1, maximum=_MAX_OUTPUT)
+    bs = _integer(rec.get("block_size", default_block_size), "block_size", bad, minimum=1, maximum=_MAX_BLOCK_SIZE)
     hash_ids = _ids(rec.get("hash_ids"), "hash_ids", bad)
-    expected = math.ceil(input_length / bs)
-    if len(hash_ids) != expected:
-        raise bad("hash_ids", f"has {len(hash_ids)} ids; input_length {input_length} at block_size {bs} "
-                              f"needs {expected}")
+    check_block_count(hash_ids, input_length, bs, bad)
     output_hash_ids = _ids(rec.get("output_hash_ids", []), "output_hash_ids", bad, allow_empty=True)
     think = rec.get("think_ms")
-    think_s = -1.0 if think is None else _number(think, "think_ms", bad, minimum=0.0) / 1e3
+    think_s = -1.0 if think is None else _number(think, "think_ms", bad, minimum=0.0, maximum=_MAX_SECONDS * 1e3) / 1e3
     session = rec.get("session_id")
     if session is not None and not (isinstance(session, (str, int)) and not isinstance(session, bool)):
-        raise bad("session_id", "must be a string or an integer")
+        raise bad("session_id", "must be a string or an integer", "not a string or integer")
+    if isinstance(session, str) and not 0 < len(session) <= 256:
+        raise bad("session_id", "must be 1 to 256 characters long", "too long or empty")
     agent = rec.get("agent")
-    if agent is not None and not isinstance(agent, str):
-        raise bad("agent", "must be a string")
+    if agent is not None and not (isinstance(agent, str) and 0 < len(agent) <= 256):
+        raise bad("agent", "must be a string of 1 to 256 characters", "not a short string")
     chunks = rec.get("chunks", [])
-    if not isinstance(chunks, list) or not all(
+    if not isinstance(chunks, list) or len(chunks) > _MAX_IDS or not all(
             isinstance(c, list) and len(c) == 3 and all(_is_int(x) for x in c) for c in chunks):
-        raise bad("chunks", "must be a list of [begin, end, hash] integers")
+        raise bad("chunks", "must be a list of [begin, end, hash] integers", "not [begin, end, hash] integers")
     output_chunks = _ids(rec.get("output_chunks", []), "output_chunks", bad, allow_empty=True)
+    stop = rec.get("stop")
+    if stop is not None and not (isinstance(stop, str) and len(stop) <= 64):
+        raise bad("stop", "must be a string of at most 64 characters", "not a short string")
     call = TraceCall(agent, hash_ids, input_length, output_length, think_s, bs, output_hash_ids,
-                     tuple(tuple(c) for c in chunks), output_chunks, number)
+                     tuple(tuple(c) for c in chunks), output_chunks, number, end=stop)
     return timestamp / 1e3, None if session is None else str(session), call
+
+
+def check_block_count(hash_ids: tuple[int, ...], input_length: int, bs: int, bad) -> None:
+    """One id per block of the prompt: every block including a partial last one (Mooncake), or
+    the full blocks only (as vLLM hashes them; kv-cache-tester)."""
+    full, every = input_length // bs, -(-input_length // bs)
+    if len(hash_ids) not in (full, every):
+        need = str(full) if full == every else f"{full} (full blocks) or {every} (with the partial last one)"
+        raise bad("hash_ids", f"has {len(hash_ids)} ids; input_length {input_length} at block_size {bs} needs {need}",
+                  "wrong number of ids for input_length")
 
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _integer(v: Any, field: str, bad, minimum: int) -> int:
-    if not _is_int(v) or v < minimum:
-        raise bad(field, f"must be an integer >= {minimum}, got {v!r:.40}")
+def _integer(v: Any, field: str, bad, minimum: int, maximum: int) -> int:
+    if not _is_int(v) or not minimum <= v <= maximum:
+        raise bad(field, f"must be an integer in {minimum}..{maximum}, got {_show(v)}",
+                  "out of range or not an integer")
     return v
 
 
-def _number(v: Any, field: str, bad, minimum: float) -> float:
-    if not (isinstance(v, (int, float)) and not isinstance(v, bool)) or not math.isfinite(v) or v < minimum:
-        raise bad(field, f"must be a number >= {minimum:g}, got {v!r:.40}")
+def _number(v: Any, field: str, bad, minimum: float, maximum: float) -> float:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+    if ok and isinstance(v, int):
+        ok = minimum <= v <= maximum     # before float(): a huge integer does not fit one
+    if ok:
+        v = float(v)
+        ok = math.isfinite(v) and minimum <= v <= maximum
+    if not ok:
+        raise bad(field, f"must be a number in {minimum:g}..{maximum:g}, got {_show(v)}",
+                  "out of range or not a number")
     return float(v)
+
+
+def _show(v: Any) -> str:
+    """A value for a message, cut short: a huge literal must not make a huge line."""
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) >= 10**30:
+        return f"an integer of {len(str(abs(v))) if abs(v) < 10**4000 else 'over 4000'} digits"
+    text = repr(v)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def _ids(v: Any, field: str, bad, allow_empty: bool = False) -> tuple[int, ...]:
     if not isinstance(v, list) or (not v and not allow_empty):
-        raise bad(field, "must be a non-empty list of integer ids" if not allow_empty else "must be a list")
+        raise bad(field, "must be a non-empty list of integer ids" if not allow_empty else "must be a list",
+                  "not a list of ids")
     if len(v) > _MAX_IDS:
-        raise bad(field, f"has more than {_MAX_IDS} ids")
-    out = []
+        raise bad(field, f"has more than {_MAX_IDS} ids", "too many ids")
     for x in v:
         if not _is_int(x) or not -_SIGNED64 <= x < _SIGNED64:
-            raise bad(field, f"must hold 64-bit integer ids, found {x!r:.40}")
-        out.append(x)
-    return tuple(out)
+            raise bad(field, f"must hold 64-bit integer ids, found {_show(x)}", "ids not 64-bit integers")
+    return tuple(v)
 
 
-def _sessions(rows: list[tuple[float, str | None, TraceCall]]) -> list[Session]:
-    """Closed-loop sessions where `think_ms` is given, else one single-call session per record."""
+def _sessions(rows: list[tuple[float, str | None, TraceCall]], loop: str = "auto") -> list[Session]:
+    """Records with a `session_id` form sessions: closed loop where every one of its records
+    has `think_ms` (unless `loop` is "open"), else open loop at their timestamps. A record without
+    a session is a session of its own."""
     grouped: dict[str, list[tuple[float, TraceCall]]] = {}
     sessions: list[Session] = []
     for t, sid, call in rows:
-        if sid is not None and call.think_s >= 0:
-            grouped.setdefault(sid, []).append((t, call))
+        if sid is None:
+            sessions.append(Session(f"line{call.line}", "trace", t, (dataclasses.replace(call, think_s=0.0),)))
         else:
-            name = sid if sid is not None else f"line{call.line}"
-            sessions.append(Session(name, "trace", t, (dataclasses.replace(call, think_s=0.0),)))
+            grouped.setdefault(sid, []).append((t, call))
+    taken = {s.session_id for s in sessions}
     for sid, calls in grouped.items():
         calls.sort(key=lambda tc: tc[0])
-        sessions.append(Session(sid, "trace", calls[0][0], tuple(c for _, c in calls)))
+        name = sid if sid not in taken else f"{sid}#session"
+        closed = loop == "closed" or (loop == "auto" and all(c.think_s >= 0 for _, c in calls))
+        t0 = calls[0][0]
+        if closed:
+            sessions.append(Session(name, "trace", t0, tuple(dataclasses.replace(c, think_s=max(c.think_s, 0.0))
+                                                              for _, c in calls)))
+        else:
+            sessions.append(Session(name, "trace", t0, tuple(dataclasses.replace(c, think_s=0.0) for _, c in calls),
+                                    offsets_s=tuple(t - t0 for t, _ in calls)))
     sessions.sort(key=lambda s: s.arrival_s)
     return sessions
 

@@ -49,7 +49,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from cachescout.connector.vllm_connector import CacheScoutConnector  # noqa: E402
 
-from .replay import EngineConfig, _pct  # noqa: E402
+from .replay import EngineConfig, SessionFlow, _pct, check_fits  # noqa: E402
 from .table import render  # noqa: E402
 from .tier_connector import ModelledTiersConnector  # noqa: E402
 from .workloads import Session  # noqa: E402
@@ -61,7 +61,7 @@ TIERED_POLICIES = ("lmcache-lru", "cachescout")   # with modelled CPU/Redis tier
 def vllm_version() -> str:
     import vllm
     return vllm.__version__
-_MODEL_LEN = 131072
+_MODEL_LEN = 1 << 21   # tokens per call: long enough for recorded agent conversations (2M)
 _model_dir: str | None = None
 
 
@@ -200,12 +200,20 @@ class VllmReplay:
             ) -> VllmReplayResult:
         sched = self.scheduler
         cost = self.cfg.cost
+        check_fits(sessions, self.cfg.gpu_blocks, self.cfg.block_size)
+        for s in sessions:
+            for k, call in enumerate(s.calls):
+                if call.prompt_len + call.output_len > _MODEL_LEN:
+                    where = getattr(call, "where", None) or f"session {s.session_id} call {k}"
+                    raise ValueError(f"{where}: {call.prompt_len + call.output_len:,} tokens exceed the {_MODEL_LEN:,} "
+                                     "a call may have on vLLM's scheduler here")
+        flow = SessionFlow(sessions)
         pending: list[tuple[float, int, _Call]] = []
         order = 0
-        for s in sessions:
-            heapq.heappush(pending, (s.arrival_s, order, _Call(s, 0, s.arrival_s)))
+        for t, s, k in flow.initial():
+            heapq.heappush(pending, (t, order, _Call(s, k, t)))
             order += 1
-        total = sum(len(s.calls) for s in sessions)
+        total = flow.total_calls
         live: dict[str, _Call] = {}
         done: list[_Call] = []
         steps = 0
@@ -280,10 +288,8 @@ class VllmReplay:
                         del live[o.request_id]
                         done.append(c)
                         c.request = None
-                        calls = c.session.calls
-                        if c.index + 1 < len(calls):
-                            t = self.now + calls[c.index].think_s
-                            heapq.heappush(pending, (t, order, _Call(c.session, c.index + 1, t)))
+                        for t, s, k in flow.finished(c.session, c.index, self.now):
+                            heapq.heappush(pending, (t, order, _Call(s, k, t)))
                             order += 1
                         if progress is not None:
                             progress(len(done), total)

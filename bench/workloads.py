@@ -90,10 +90,23 @@ class Call:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Session:
+    """One workflow instance: calls issued in order, closed-loop by default (each call its
+    predecessor's `think_s` after that one finished).
+
+    - `offsets_s`: open loop instead: call k is issued at `arrival_s + offsets_s[k]`, whenever the
+      calls before it finish (a trace replayed at its recorded times).
+    - `parent`, `after_call`: a sub-session (a sub-agent): it starts `arrival_s` seconds after call
+      `after_call` of session `parent` finished, and that session's next call waits until every
+      sub-session it started has finished (then its own think time). The engines resolve this
+      with `replay.SessionFlow`."""
+
     session_id: str
     family: str
     arrival_s: float
     calls: tuple[Call, ...]
+    offsets_s: tuple[float, ...] = ()
+    parent: str | None = None
+    after_call: int = 0
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ from cachescout.bench.cli import main
 def test_bench_writes_results_and_plots(tmp_path, capsys):
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     rc = main(["bench", "--workloads", "gaia", "--sessions", "30", "--gpu-blocks", "1500", "--jobs", "1",
-               "--policies", "lru,cachescout,oracle", "--json", str(out), "--plots", str(png), "--quiet"])
+               "--policies", "lru,cachescout,belady", "--json", str(out), "--plots", str(png), "--quiet"])
     assert rc == 0
     report = json.loads(out.read_text())
     (workload,) = report["workloads"]
@@ -17,7 +17,7 @@ def test_bench_writes_results_and_plots(tmp_path, capsys):
         for key in ("policy", "token_hit_rate", "gpu_token_hit_rate", "prefill_tokens", "ttft_mean_ms",
                     "ttft_p99_ms", "throughput_at_saturation_calls_per_s"):
             assert key in r, key
-    assert set(workload["cache_sweep"]) == {"lru", "cachescout", "oracle"}
+    assert set(workload["cache_sweep"]) == {"lru", "cachescout", "belady"}
     assert png.stat().st_size > 10_000
     assert "gaia: 30 sessions" in capsys.readouterr().out
 
@@ -54,13 +54,13 @@ def test_a_fresh_process_on_another_build_is_refused(tmp_path, monkeypatch, caps
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--policies", "lru,belady"], "unknown policy 'belady'"),
+    (["--policies", "lru,oracle"], "unknown policy 'oracle'"),
     (["--workloads", "chat"], "unknown workload 'chat'"),
     (["--routing", "zigzag"], "--routing must be one of"),
     (["--cost-profile", "a100"], "unknown cost profile 'a100'"),
     (["--cpu-blocks", "-1"], "--cpu-blocks"),
-    (["--trace", "/nonexistent/t.jsonl"], "No such file"),
-    (["--engine", "vllm", "--policies", "lru,oracle"], "--engine vllm runs lru and cachescout"),
+    (["--trace", "/nonexistent/t.jsonl"], "no such file or folder"),
+    (["--engine", "vllm", "--policies", "lru,belady"], "--engine vllm runs lru and cachescout"),
     (["--engine", "vllm", "--cpu-blocks", "100", "--policies", "lru"],
      "--engine vllm with CPU/Redis tiers runs lmcache-lru and cachescout"),
 ])

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from pathlib import Path
 
 from cachescout.bench.policies import make_policy
 from cachescout.bench.replay import Engine, EngineConfig
@@ -382,3 +383,28 @@ def test_tokens_made_from_trace_ids_keep_the_traces_equalities():
     c_prompt, c_out = call([1, 5], 32, out=16, line=3).synthetic_tokens()
     assert c_prompt[:16] == a_prompt[:16] and c_prompt[16:32] != a_prompt[16:32]
     assert c_out != call([1, 5], 32, out=16, line=4).synthetic_tokens()[1]
+
+
+def test_trace_sessions_without_think_times_and_conversations_replay_on_vllms_scheduler():
+    """Open-loop sessions (a `session_id`, no `think_ms`) keep their ids, and each call gets a request
+    id of its own; a conversation file with sub-agents runs there too, long prompts included."""
+    import json as _json
+
+    from cachescout.bench.trace import TraceOptions, load_trace, parse_trace
+
+    lines = [_json.dumps({"timestamp": 10 * i, "input_length": 16 * (4 + i), "output_length": 3,
+                          "hash_ids": list(range(1, 5 + i)), "block_size": 16, "session_id": "s"}) for i in range(6)]
+    traced, _ = parse_trace(lines, block_size=16)
+    assert len(traced) == 1 and traced[0].offsets_s
+    cfg = EngineConfig(gpu_blocks=400)
+    got = VllmReplay(cfg, "lru").run(traced).summary()
+    fast = Engine(cfg, make_policy("lru", PolicyConfig(), traced)).run(traced).summary()
+    assert got["calls"] == 6 and got["gpu_token_hit_rate"] == pytest.approx(fast["gpu_token_hit_rate"], abs=0.02)
+
+    data = Path(__file__).parent / "data" / "claude-code" / "trace_0014.json.gz"
+    sessions, _ = load_trace(data, TraceOptions())
+    cfg = EngineConfig(gpu_blocks=6000, block_size=64)
+    replay = VllmReplay(cfg, "cachescout")
+    got = replay.run(sessions).summary()
+    assert got["calls"] == sum(len(s.calls) for s in sessions) and got["gpu_token_hit_rate"] > 0.8
+    assert replay.pool_all_free()

@@ -74,7 +74,7 @@ from cachescout.bench.workloads import WorkloadSpec, generate
 from cachescout.policy import NATIVE, PolicyConfig
 sessions = generate(WorkloadSpec(family="swebench", sessions=12, seed=5))
 out = {"native": NATIVE}
-for name in ("lru", "oracle", "kvflow", "continuum", "cachescout", "cachescout-hints", "cachescout-hashonly"):
+for name in ("lru", "belady", "kvflow", "continuum", "cachescout", "cachescout-hints", "cachescout-hashonly"):
     for cfg in (EngineConfig(gpu_blocks=900), EngineConfig(gpu_blocks=600, cpu_blocks=600, redis_blocks=2000)):
         s = Engine(cfg, make_policy(name, PolicyConfig(), sessions)).run(sessions).summary()
         out[f"{name} {cfg.gpu_blocks}"] = s

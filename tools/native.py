@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED = {
     "policy": ["core", "eviction", "scorer", "sessions", "fingerprint", "transitions", "guard", "costs", "prefetch"],
     "connector": ["gpu_steering"],
-    "bench": ["replay", "oracle", "baselines"],
+    "bench": ["replay", "belady", "bound", "baselines"],
 }
 GROUP = "cachescout.policy._native"   # one shared library, in policy/_native
 STAMP = "SOURCES.json"                # in policy/_native: what was compiled, from which sources

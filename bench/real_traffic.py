@@ -1,0 +1,197 @@
+"""Real traffic: every policy on mixes of recorded conversations, at several cache sizes, loops and
+timings, against the bound of each run (bound.py).
+
+    python -m cachescout.bench.real_traffic --trace ../shared/traces/claude-code [--quick]
+
+A mix is `count` conversations of the trace folder chosen and started at random (over the trace
+window) by `seed`, replayed closed-loop (each call its recorded think time after the previous one
+finished here) or open-loop (at the recorded times). Per mix, the GPU cache is sized where LRU hits
+each of `targets` (calibrated as the main benchmark does). A closed loop is chaotic: a slightly
+different prefill time reorders calls, and LRU's own hit rate moves by about a point from that
+alone. So each cell is replayed `jitters` times with the prefill cost moved by 0.1% steps, every
+policy on the same timings, and reported as the mean; `spread` is LRU's standard deviation across
+those timings, the noise any difference must be read against. GPU tier only unless `cpu_ratio`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from cachescout.policy import NATIVE_STATUS, PolicyConfig
+
+from .bound import belady_hits
+from .policies import make_policy
+from .replay import CostProfile, Engine, EngineConfig, PromptKeys
+from .run import calibrate_gpu_blocks
+from .table import render
+from .trace import TraceOptions, load_trace
+
+QUICK = {"closed": (32,), "open": ()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    trace: str
+    count: int
+    seed: int
+    loop: str
+    target: float
+    policies: tuple[str, ...]
+    jitters: int
+    cpu_ratio: float
+    window_s: float
+
+
+def run_cell(cell: Cell) -> dict[str, Any]:
+    """Every policy on one mix at the cache size where LRU hits `cell.target`, under each timing."""
+    sessions, _ = load_trace(cell.trace, TraceOptions(conversations=cell.count, seed=cell.seed, loop=cell.loop,
+                                                      window_s=cell.window_s))
+    bs = sessions[0].calls[0].block_size
+    keys = PromptKeys(bs)
+    blocks = calibrate_gpu_blocks(sessions, bs, target=cell.target, prompt_keys=keys)
+    cpu = int(cell.cpu_ratio * blocks)
+    base = CostProfile()
+    cfg = PolicyConfig(block_size=bs)
+    runs: dict[str, list[dict[str, float]]] = {p: [] for p in cell.policies}
+    bounds = []
+    for j in range(cell.jitters):
+        cost = dataclasses.replace(base, prefill_s_per_token=base.prefill_s_per_token * (1.0 + 0.001 * j))
+        best = 0.0
+        for name in cell.policies:
+            engine = Engine(EngineConfig(gpu_blocks=blocks, block_size=bs, cpu_blocks=cpu, cost=cost),
+                            make_policy(name, cfg, sessions), keys).record()
+            s = engine.run(sessions).summary()
+            assert engine.log is not None
+            best = max(best, belady_hits(engine.log, blocks, bs) / s["prompt_tokens"])
+            engine.log = None
+            runs[name].append({k: s[k] for k in ("token_hit_rate", "gpu_token_hit_rate", "ttft_mean_ms",
+                                                  "ttft_p99_ms", "prefetch_precision") if s[k] is not None})
+        bounds.append(best)
+    out: dict[str, Any] = {"count": cell.count, "seed": cell.seed, "loop": cell.loop, "target": cell.target,
+                           "gpu_blocks": blocks, "cpu_blocks": cpu, "calls": sum(len(s.calls) for s in sessions),
+                           "bound_gpu_hit_rate": statistics.fmean(bounds), "policies": {}}
+    for name, rs in runs.items():
+        agg = {k: statistics.fmean(r[k] for r in rs) for k in rs[0]}
+        agg["runs"] = rs
+        out["policies"][name] = agg
+    base_name = "lmcache-lru" if "lmcache-lru" in runs else "lru"
+    lru = runs.get(base_name)
+    if lru and len(lru) > 1:
+        out["lru_spread"] = statistics.stdev(r["token_hit_rate"] for r in lru)
+        # Each policy against LRU on the same timings: the mean difference and its standard error.
+        for name, rs in runs.items():
+            d = [a["token_hit_rate"] - b["token_hit_rate"] for a, b in zip(rs, lru, strict=True)]
+            out["policies"][name]["paired_se"] = statistics.stdev(d) / math.sqrt(len(d))
+    return out
+
+
+def matrix(trace: str, counts: dict[str, Sequence[int]], seeds: Sequence[int], targets: Sequence[float],
+           policies: Sequence[str], jitters: int, cpu_ratio: float, window_s: float) -> list[Cell]:
+    return [Cell(trace, n, seed, loop, t, tuple(policies), jitters, cpu_ratio, window_s)
+            for loop, ns in counts.items() for n in ns for seed in seeds for t in targets]
+
+
+def summarize(cells: list[dict[str, Any]], ours: str = "cachescout", base: str = "lru") -> dict[str, Any]:
+    """The worst and mean differences of `ours` against `base` over every cell."""
+    diffs, ratios, p99, worse = [], [], [], 0
+    for c in cells:
+        a, b = c["policies"].get(ours), c["policies"].get(base)
+        if a is None or b is None:
+            continue
+        d = a["token_hit_rate"] - b["token_hit_rate"]
+        diffs.append(d)
+        # Below LRU by more than 0.2 points beyond two standard errors of the paired difference.
+        worse += d + 2 * a.get("paired_se", 0.0) < -0.002
+        ratios.append(a["ttft_mean_ms"] / b["ttft_mean_ms"] if b["ttft_mean_ms"] else 1.0)
+        p99.append(a["ttft_p99_ms"] / b["ttft_p99_ms"] if b["ttft_p99_ms"] else 1.0)
+    if not diffs:
+        return {}
+    return {"cells": len(diffs), "cells_clearly_worse": worse, "hit_difference_min": min(diffs),
+            "hit_difference_mean": statistics.fmean(diffs),
+            "ttft_ratio_max": max(ratios), "ttft_ratio_mean": statistics.fmean(ratios),
+            "ttft_p99_ratio_max": max(p99), "ttft_p99_ratio_mean": statistics.fmean(p99)}
+
+
+def format_cells(cells: list[dict[str, Any]], policies: Sequence[str]) -> str:
+    base = "lmcache-lru" if "lmcache-lru" in policies else "lru"
+    cols = ["loop", "conv.", "seed", "GPU blocks", "LRU spread"]
+    for p in policies:
+        cols += [p] if p == base else [p, "TTFT"]
+    cols += ["bound"]
+    rows = [tuple(cols)]
+    for c in sorted(cells, key=lambda c: (c["loop"], c["count"], c["seed"], c["target"])):
+        ref = c["policies"][base]
+        row = [c["loop"], str(c["count"]), str(c["seed"]), f"{c['gpu_blocks']:,}",
+               f"{100 * c['lru_spread']:.2f} pt" if "lru_spread" in c else "-"]
+        for p in policies:
+            r = c["policies"][p]
+            if p == base:
+                row.append(f"{r['token_hit_rate']:.4f} ({r['ttft_mean_ms']:.0f} ms)")
+            else:
+                se = f" ±{100 * r['paired_se']:.2f}" if "paired_se" in r else ""
+                row += [f"{r['token_hit_rate']:.4f} ({100 * (r['token_hit_rate'] - ref['token_hit_rate']):+.2f}{se})",
+                        f"{r['ttft_mean_ms'] / ref['ttft_mean_ms'] - 1:+.1%}" if ref["ttft_mean_ms"] else "-"]
+        row.append(f"{c['bound_gpu_hit_rate']:.4f}")
+        rows.append(tuple(row))
+    return render("", rows)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cachescout.bench.real_traffic", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", required=True, help="a folder of kv-cache-tester conversation files")
+    p.add_argument("--closed", default="16,32,48", help="conversation counts mixed for closed-loop replays")
+    p.add_argument("--open", default="16,24", help="conversation counts mixed for open-loop replays")
+    p.add_argument("--seeds", default="1,2,3")
+    p.add_argument("--targets", default="0.6,0.75,0.9", help="LRU hit rates the cache sizes are chosen for")
+    p.add_argument("--policies", default="lru,cachescout,belady")
+    p.add_argument("--jitters", type=int, default=3, help="timings each cell is replayed under")
+    p.add_argument("--cpu-ratio", type=float, default=0.0, help="LMCache CPU tier as a multiple of the GPU cache")
+    p.add_argument("--window", type=float, default=1800.0, help="conversations start within this many seconds")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    p.add_argument("--quick", action="store_true", help="one closed-loop count, seeds 1-2 (a few minutes)")
+    p.add_argument("--json", default=None, help="write every cell's figures here")
+    args = p.parse_args(argv)
+
+    def ints(text: str) -> tuple[int, ...]:
+        return tuple(int(x) for x in text.split(",") if x)
+
+    counts: dict[str, Sequence[int]] = {"closed": ints(args.closed), "open": ints(args.open)}
+    seeds = ints(args.seeds)
+    if args.quick:
+        counts, seeds = dict(QUICK), (1, 2)
+    policies = [x for x in args.policies.split(",") if x]
+    targets = [float(x) for x in args.targets.split(",") if x]
+    if args.jitters < 1 or not all(0 < t < 1 for t in targets) or not math.isfinite(args.cpu_ratio):
+        p.error("--jitters must be >= 1 and --targets within (0, 1)")
+    cells = matrix(args.trace, counts, seeds, targets, policies, args.jitters, args.cpu_ratio, args.window)
+    t0 = time.time()
+    results = []
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        futures = [pool.submit(run_cell, c) for c in cells]
+        for i, f in enumerate(concurrent.futures.as_completed(futures)):
+            results.append(f.result())
+            sys.stderr.write(f"\r{i + 1}/{len(cells)} cells, {time.time() - t0:.0f} s")
+            sys.stderr.flush()
+    sys.stderr.write("\n")
+    print(format_cells(results, policies))
+    base = "lmcache-lru" if "lmcache-lru" in policies else "lru"
+    summary = summarize(results, base=base)
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump({"build": NATIVE_STATUS, "cells": results, "summary": summary, "args": vars(args)}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
