@@ -39,7 +39,8 @@ class CacheScoutReplay(ReplayPolicy):
         self.core.blocks_reused(keys)
 
     def admitted(self, req: Request, keys: Sequence[Hashable], num_cached: int, now: float) -> None:
-        self.core.admit_blocks(req, keys, num_cached)
+        bs = self.core.cfg.block_size
+        self.core.admit_blocks(req, keys, num_cached, req.hashes[:(req.prompt_len - 1) // bs])
 
     def cached(self, req: Request, keys: Sequence[Hashable], now: float) -> None:
         self.core.extend_blocks(req, keys)

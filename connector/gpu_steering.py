@@ -238,7 +238,8 @@ class GpuSteering:
         for key in keys[num_cached:]:
             if key in self._where:
                 self._check(key)
-        policy.admit_blocks(request.request_id, keys, num_cached)
+        bs = policy.cfg.block_size
+        policy.admit_blocks(request.request_id, keys, num_cached, keys[:(request.num_prompt_tokens - 1) // bs])
         self._file_new_blocks(t)
 
     def _file_new_blocks(self, t: _Tracked) -> None:

@@ -30,6 +30,9 @@ HINT_KEYS = {"agent": "cachescout.agent", "session": "cachescout.session_id", "n
 _MAX_HINT_LEN: Final = 256
 SHARED_NAME_PREFIX = "anchor-"   # agents' names in the shared state (`shared_names`)
 _EMA: Final = 0.02
+_DEAD_DECAY: Final = 0.995      # per expired session
+_RESAMPLE_AFTER: Final = 64      # requests after which the guard's sampling is set by their size
+_DEAD_MIN_BLOCKS: Final = 256.0  # dead blocks counted before their reuse is judged
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -106,6 +109,10 @@ class CacheScoutPolicy:
         # its next call to that agent reuses, for context prefetch.
         self._context_keys: dict[Hashable, dict[str, list]] = {}
         self._max_pending = max_pending
+        self._prompt_blocks = 0    # blocks and requests admitted, until the guard's sampling is set
+        self._admitted = 0
+        self._dead_blocks = 0.0    # blocks of contexts whose session expired (decayed) ...
+        self._dead_reused = 0.0    # ... and hits on such blocks since
         self.stats: Counter[str] = Counter()
 
     # -- requests -----------------------------------------------------------------------------
@@ -214,6 +221,7 @@ class CacheScoutPolicy:
         for s in self.sessions.expire(now, self.scorer.step_s if self._gap_samples >= 32 else None):
             self._next_hint.pop(s.sid, None)
             self._context_keys.pop(s.sid, None)
+            self._note_dead(s)
             if s.agent is not None and not s.over:
                 self.learner.update(s.agent, END)
         # A session idle far past its agent's usual wait has most likely ended: the chain learns
@@ -225,13 +233,58 @@ class CacheScoutPolicy:
                 if s.agent is not None:
                     self.learner.update(s.agent, END)
 
+    def _note_dead(self, s: Any) -> None:
+        """Session `s` expired: its contexts' blocks are presumed dead from now on (counted, to
+        learn how often such blocks are hit again after all)."""
+        blocks = 0
+        for agent in (None, *s.called):
+            g = self.index.get_group(("ctx", s.sid, agent))
+            if g is not None:
+                blocks += g.n_blocks
+        if blocks:
+            self._dead_blocks = self._dead_blocks * _DEAD_DECAY + blocks
+            self._dead_reused *= _DEAD_DECAY
+            self._judge_dead()
+
+    def _note_dead_hits(self, block_keys: Sequence[Hashable], num_cached: int) -> None:
+        """Hits on blocks of expired sessions' contexts (deepest first: they follow their prefix)."""
+        index, get = self.index, self.sessions.get
+        reused = 0
+        for i in range(num_cached - 1, -1, -1):
+            b = index.block(block_keys[i])
+            if b is None:
+                break
+            g = b.group
+            if g.kind != "context" or get(g.session) is not None:
+                break
+            reused += 1
+        if reused:
+            self._dead_reused += reused
+            self._judge_dead()
+
+    def _judge_dead(self) -> None:
+        # A chat whose next turn arrives as a new session reuses what "died": there the contexts of
+        # expired sessions keep LRU order; a workflow that ran its course does not.
+        if self._dead_blocks >= _DEAD_MIN_BLOCKS:
+            self.scorer.dead_reuse = min(1.0, self._dead_reused / self._dead_blocks)
+
     # -- KV blocks of the GPU tier ------------------------------------------------------------
-    def admit_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable], num_cached: int) -> None:
-        """The request holds `block_keys` (prompt order); the first `num_cached` were prefix hits."""
+    def admit_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable], num_cached: int,
+                     hittable: Sequence[Hashable] | None = None) -> None:
+        """The request holds `block_keys` (prompt order); the first `num_cached` were prefix hits.
+        `hittable`: the prompt's blocks a hit may cover (its full blocks, less the last one when the
+        prompt ends on a block boundary: vLLM always computes the last token), for the LRU guard's
+        comparison; default `block_keys`."""
         live = self._live.get(request_id)
         index = self.index
         self._track_capacity()
-        self.guard.accessed(block_keys, num_cached)
+        self._prompt_blocks += len(block_keys)
+        self._admitted += 1
+        if self._admitted == _RESAMPLE_AFTER:
+            self.guard.resample(self._prompt_blocks / self._admitted)
+        self.guard.accessed(block_keys if hittable is None else hittable, num_cached)
+        if num_cached:
+            self._note_dead_hits(block_keys, num_cached)
         if live is None:
             for key in block_keys[num_cached:]:
                 index.add(key)

@@ -5,20 +5,22 @@ FAST 2015): blocks whose key falls in a fixed 1/`SAMPLE` slice of the hash space
 1/`SAMPLE` the size. Requests replay into it in the order they reach the real cache, with vLLM's
 semantics: a hit stops at the first sampled block missing, a block is held (unevictable) from the
 request that uses it until it is released, and free blocks leave in the order they were released.
-Over windows of sampled accesses, the real cache's hits on the same sampled blocks (those within
-the prefix it really hit) are compared with the shadow's: that difference is CacheScout's measured
-gain over plain LRU.
+Over windows of sampled accesses (2048, or 256 requests' worth), the real cache's hits on the same
+sampled blocks (those within the prefix it really hit) are compared with the shadow's: that
+difference is CacheScout's measured gain over plain LRU.
 
 A sampled shadow is an estimate, and on traffic whose prompts are a few long conversations (every
-request hits or misses hundreds of sampled blocks together) a noisy and slightly biased one. The
-windows spent on plain LRU are its control: there the real cache *is* LRU, so what the shadow makes
-of them is its own error, whose mean (the bias) is taken off the trusted windows and whose spread
-says how far a trusted window may fall below LRU by chance.
+request hits or misses hundreds of sampled blocks together) a noisy one; where requests have few
+blocks it samples more densely (`resample`). The windows spent on plain LRU are its control: there
+the real cache follows LRU's order, so the spread of what the shadow makes of them says how far a
+trusted window may fall below LRU by chance. (Their mean is kept as `bias`, for inspection only: it
+also holds what the model's order left behind in the cache.)
 
 Trust scales every confidence the scorer uses: 1 (use the model) or 0 (plain LRU). A trusted window
 far below LRU (beyond four times the shadow's spread), or trusted windows whose recent mean is
 below LRU by more than twice its standard error, drop it to 0; the model is tried again after 1, 2,
-4, ... up to 64 windows (doubling after each failed try, halving back after a good window), so a
+4, ... up to 64 windows (doubling after each failed try, halving back once trusted windows are
+clearly above LRU), so a
 model that recovers, or a workload that turns predictable, is used again, while a model that keeps
 losing costs only a few probe windows. This bounds what a wrong model can cost, whatever the cause:
 sessions that could not be inferred, a workflow that changed.
@@ -33,14 +35,18 @@ from typing import Final
 
 SAMPLE: Final = 8          # by default one block in 8 is simulated
 _WINDOW: Final = 2048             # sampled accesses per comparison (about 150 requests) ...
-_WINDOW_REQUESTS: Final = 8       # ... from at least this many requests
+_WINDOW_REQUESTS: Final = 8       # ... from at least this many requests; or, where requests have
+_WINDOW_MAX_REQUESTS: Final = 256  # few blocks (large ones), this many requests ...
+_WINDOW_MIN: Final = 256          # ... with at least this many sampled accesses
 _PRIOR_SPREAD: Final = 0.02       # the shadow's error per window (share of accesses) before it is measured
 _MIN_CONTROL: Final = 4           # windows on plain LRU before their bias and spread are used
 _CONTROL_EMA: Final = 0.05        # ... averaged over about this many windows' worth (1 / it)
 _FAR_WORSE: Final = 4.0           # a trusted window this many spreads below LRU cuts trust at once
 _MEAN_EMA: Final = 0.1            # trusted windows' recent mean, over about 1 / this many
 _SIGNIFICANT: Final = 2.0         # standard errors below LRU at which that mean cuts trust
+_PROVEN: Final = 4                # trusted windows, clearly above LRU, before the backoff halves
 _MAX_BACKOFF: Final = 64          # most windows spent on plain LRU before the model is tried again
+_BLOCKS_PER_SAMPLED_REQUEST: Final = 12   # `resample`: sampled blocks wanted per request at least
 
 
 class LruGuard:
@@ -60,11 +66,22 @@ class LruGuard:
         self.windows: list[float] = []   # recent windows' (ours - lru) / accesses
         self._trusted_mean = 0.0         # recent mean of trusted windows' bias-corrected differences
         self._trusted_n = 0              # trusted windows since the model was last (re)tried
-        self.bias = 0.0                  # the shadow's mean error, from windows on plain LRU
+        self.bias = 0.0                  # mean difference in windows on plain LRU (not applied)
         self._spread2 = _PRIOR_SPREAD ** 2   # ... and the variance of that error
         self._control = 0                # windows on plain LRU seen
         self._backoff = 1                # windows to wait after the next failure
         self._wait = 0                   # windows left on plain LRU
+
+    def resample(self, blocks_per_request: float) -> None:
+        """Sample more densely where requests have few blocks (large blocks, short prompts), so a
+        request gives the shadow a dozen sampled blocks or more (never sparser than it was); the
+        shadow starts over."""
+        rate = max(1, min(self.sample, int(blocks_per_request // _BLOCKS_PER_SAMPLED_REQUEST)))
+        if rate != self.sample:
+            self.sample = rate
+            self._held.clear()
+            self._free.clear()
+            self._ours = self._lru = self._seen = self._requests = 0
 
     def accessed(self, keys: Sequence[Hashable], num_cached: int) -> None:
         """A request's prompt blocks in order, and how many leading ones the real cache hit.
@@ -88,7 +105,8 @@ class LruGuard:
         if self._seen > seen:
             self._requests += 1
         self._trim()
-        if self._seen >= _WINDOW and self._requests >= _WINDOW_REQUESTS:
+        if (self._seen >= _WINDOW and self._requests >= _WINDOW_REQUESTS) or (
+                self._requests >= _WINDOW_MAX_REQUESTS and self._seen >= _WINDOW_MIN):
             self._close_window()
 
     def filled(self, keys: Sequence[Hashable]) -> None:
@@ -122,7 +140,10 @@ class LruGuard:
         self.total_seen += self._seen
         self._ours = self._lru = self._seen = self._requests = 0
         if self.trust == 0.0:
-            # The real cache follows LRU here: the difference is the shadow's own error.
+            # The real cache follows LRU's order here: the difference is the shadow's own error,
+            # and what the model's order left behind in the cache. Its spread says how far a
+            # window may miss by chance; its mean is no correction (a model that did harm would
+            # excuse itself by the harm it left).
             self._control += 1
             w = max(_CONTROL_EMA, 1.0 / self._control)
             err = delta - self.bias
@@ -134,18 +155,19 @@ class LruGuard:
                 self._trusted_mean, self._trusted_n = 0.0, 0
             return
         measured = self._control >= _MIN_CONTROL
-        d = delta - self.bias if measured else delta
+        d = delta
         spread = math.sqrt(self._spread2) if measured else _PRIOR_SPREAD
         self._trusted_n += 1
         n = self._trusted_n
         self._trusted_mean += max(_MEAN_EMA, 1.0 / n) * (d - self._trusted_mean)
         effective = min(n, 2.0 / _MEAN_EMA - 1.0)   # windows an EMA's mean carries
-        if d <= -_FAR_WORSE * spread or self._trusted_mean < -_SIGNIFICANT * spread / math.sqrt(effective):
+        error = spread / math.sqrt(effective)
+        if d <= -_FAR_WORSE * spread or self._trusted_mean < -_SIGNIFICANT * error:
             self.trust = 0.0
             self._wait = self._backoff
             self._backoff = min(_MAX_BACKOFF, 2 * self._backoff)
-        elif d > 0:
-            self._backoff = max(1, self._backoff // 2)
+        elif n >= _PROVEN and self._trusted_mean > _SIGNIFICANT * error:
+            self._backoff = max(1, self._backoff // 2)   # clearly better than LRU: retries come sooner again
 
     def estimated_gain(self) -> float | None:
         """Hit-rate gain over plain LRU measured so far (share of sampled block accesses)."""

@@ -173,6 +173,7 @@ class SurvivalScorer:
         self._elapsed = 0.0           # ... over time-decayed seconds
         self._last_arrival_at: float | None = None
         self._rows: dict[str, _Row] = {}
+        self.dead_reuse = 0.0         # share of expired sessions' context blocks used again (core measures it)
         # What the last scoring was computed for (the chain's refresh count, trust, time tick).
         self._scored_refresh = -1
         self._scored_trust = 0
@@ -351,7 +352,6 @@ class SurvivalScorer:
         floor = -math.log(_RATE_FLOOR)
         backed_value = self.cost.backed_value("cpu")
         link = self.session_links()
-        revival = self.sessions.revival_share()
         anchors = []
         preambles = []
         session_of = self.sessions.get
@@ -361,8 +361,14 @@ class SurvivalScorer:
                 agent = g.agent
                 ses = session_of(g.session)
                 if ses is None:
-                    # The session is over (it expired), as far as expired sessions stay away.
-                    rate, conf = 0.0, conf_all * (1.0 - revival)
+                    # The session is over (it expired). Blocks of expired sessions' contexts that
+                    # are used again after all (a chat's next turn may come as a session of its
+                    # own) are used as LRU would expect, only that much less often: the rate
+                    # LRU's order implies (one use per idle time) times that share.
+                    rate, conf = 0.0, conf_all
+                    head = g.head
+                    if self.dead_reuse > 0.0 and head is not None:
+                        rate = self.dead_reuse / (max(now - head.freed_at, 0.0) + 1e-3)
                 elif ses.agent is None or agent is None:
                     rate, conf = 0.0, 0.0                  # nothing known: LRU
                 else:

@@ -142,10 +142,6 @@ class SessionTracker:
         self.multi_agent = 0.0
         self._live_multi = 0   # live sessions with two or more calls ...
         self._live_mixed = 0   # ... of which linked to two or more agents
-        # Sessions that expired, recently (bounded), and how many expired and came back (decayed).
-        self._expired: OrderedDict[Hashable, None] = OrderedDict()
-        self._expired_n = 0.0
-        self._revived = 0.0
 
     def __len__(self) -> int:
         return len(self._sessions)
@@ -186,15 +182,12 @@ class SessionTracker:
             s = self._sessions.get(sid)
             evidence = "hint"
             if s is None:
-                self._note_return(sid)
                 s = self._open(now, sid, hinted=True)
                 evidence = "new"
         if s is None and continues is not None:
             s = self._sessions.get(continues)
             if s is not None:
                 evidence = "continuation"
-            else:
-                self._note_return(continues)   # it extends the prompt of a session that expired
         has_content = tokens is not None or sketch is not None
         if s is None and has_content:
             if tokens is not None:
@@ -300,33 +293,12 @@ class SessionTracker:
                 break
             self._sessions.pop(s.sid, None)
             self._forget(s)   # also leaves `_idle`
-            self._note_expired(s.sid)
             out.append(s)
         while len(self._sessions) > self.cfg.max_sessions:
             _, s = self._sessions.popitem(last=False)
             self._forget(s)
             out.append(s)
         return out
-
-    def revival_share(self) -> float:
-        """Of the sessions that expired (idle past the timeout), the share that called again
-        after all (decayed): near 0 where an expired session has ended (a workflow ran its
-        course), high where sessions pause for longer than the timeout (people)."""
-        return self._revived / self._expired_n if self._expired_n >= _MIN_ENDED else 0.0
-
-    def _note_expired(self, sid: Hashable) -> None:
-        self._expired_n = self._expired_n * _ENDED_DECAY + 1.0
-        self._revived *= _ENDED_DECAY
-        expired = self._expired
-        expired[sid] = None
-        if len(expired) > self.cfg.max_sessions:
-            expired.popitem(last=False)
-
-    def _note_return(self, sid: Hashable | None) -> None:
-        """A call that belongs to session `sid` arrived: was it one that had expired?"""
-        if sid is not None and sid in self._expired:
-            del self._expired[sid]
-            self._revived += 1.0
 
     # -- internals ----------------------------------------------------------------------------
     def _open(self, now: float, sid: Hashable, hinted: bool = False) -> Session:

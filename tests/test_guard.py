@@ -26,16 +26,20 @@ def test_unsampled_shadow_reproduces_the_real_lru():
 _keys = itertools.count()
 
 
-def _feed(guard: LruGuard, windows: int, ours_hits: bool, lru_hits: bool):
-    """Windows of sampled accesses (fresh keys) where our cache and the shadow hit or miss as told."""
-    for _ in range(windows * guard_mod._WINDOW):
-        key = next(_keys)
-        while hash(key) % guard_mod.SAMPLE:
+def _feed(guard: LruGuard, windows: int, ours_hits: bool, lru_hits: bool, per_request: int = 16):
+    """Windows of sampled accesses (fresh keys, `per_request` to a request) where our cache and the
+    shadow hit or miss as told."""
+    for _ in range(windows * guard_mod._WINDOW // per_request):
+        keys = []
+        while len(keys) < per_request:
             key = next(_keys)
+            if hash(key) % guard_mod.SAMPLE == 0:
+                keys.append(key)
         if lru_hits:
-            guard._free[key] = None    # the shadow holds it
-        guard.accessed([key], 1 if ours_hits else 0)
-        guard.released([key])
+            for key in keys:
+                guard._free[key] = None    # the shadow holds them
+        guard.accessed(keys, len(keys) if ours_hits else 0)
+        guard.released(keys)
 
 
 def test_guard_cuts_trust_when_the_model_loses_and_retries_with_backoff():
@@ -76,3 +80,51 @@ def test_guard_keeps_a_good_model_trusted_and_measures_its_gain():
     assert ours > lru["token_hit_rate"] + 0.01
     assert policy.core.guard.estimated_gain() > 0.005
     assert policy.core.guard.trust == 1.0
+
+
+def _mixed(guard: LruGuard, windows: int, ours_share: float):
+    """Windows where the shadow hits every block and ours the given share of them (per request)."""
+    per = 16
+    for _ in range(windows * guard_mod._WINDOW // per):
+        keys = []
+        while len(keys) < per:
+            key = next(_keys)
+            if hash(key) % guard_mod.SAMPLE == 0:
+                keys.append(key)
+        for key in keys:
+            guard._free[key] = None
+        guard.accessed(keys, round(ours_share * per))
+        guard.released(keys)
+
+
+def test_a_model_slightly_but_steadily_worse_than_lru_is_cut():
+    g = LruGuard()
+    g.capacity = 1 << 30
+    _mixed(g, 1, 15 / 16)      # 6% below LRU: under the bar of one window far worse, past two standard errors
+    assert g.trust == 0.0
+    _mixed(g, 1, 15 / 16)      # on LRU for one window, then tried again
+    assert g.trust == 1.0
+    _mixed(g, 1, 1.0)          # no worse than LRU: kept
+    assert g.trust == 1.0
+
+
+def test_one_good_window_does_not_shorten_the_wait_after_failures():
+    g = LruGuard()
+    g.capacity = 1 << 30
+    for _ in range(3):         # fail, wait, retry: the backoff grows to 8 windows
+        _feed(g, 1, ours_hits=False, lru_hits=True)
+        while g.trust == 0.0:
+            _feed(g, 1, ours_hits=True, lru_hits=True)
+    assert g._backoff == 8
+    _feed(g, 1, ours_hits=True, lru_hits=False)   # one good window
+    assert g._backoff == 8
+    _feed(g, 4, ours_hits=True, lru_hits=False)   # clearly better for a while: retries come sooner
+    assert g._backoff < 8 and g.trust == 1.0
+
+
+def test_requests_with_few_blocks_are_sampled_densely():
+    g = LruGuard()
+    g.resample(24.0)           # 512-token blocks, 12k-token prompts: two sampled blocks would be too few
+    assert g.sample == 2
+    g.resample(1000.0)         # never sparser than it was
+    assert g.sample == 2
