@@ -218,7 +218,10 @@ class CacheScoutConnector(KVConnectorBase_V1):
             self.policy.clock = clock
             self._steering.clock = clock
 
+    @property
     def requires_kv_delivery(self) -> bool:
+        # A property, as vLLM declares it: the scheduler reads it once as a flag (a bound method would
+        # be truthy and make vLLM drop a preempted request's output as if its KV had to be handed off).
         return False   # a cache: vLLM never waits on us to hand KV over
 
     # -- scheduler side -------------------------------------------------------------------------------

@@ -45,6 +45,34 @@ def test_loaded_through_kv_transfer_config():
     assert build_scheduler(64).connector is None
 
 
+def test_vllm_reads_requires_kv_delivery_as_false():
+    """vLLM declares it a property and stores what it reads; a method would be a truthy flag, and vLLM
+    would drop a preempted request's output as if CacheScout had KV to hand off."""
+    sched = build_scheduler(64, connector={})
+    assert sched.requires_kv_delivery is False
+    assert sched.connector.requires_kv_delivery is False
+
+
+def test_multiconnector_rebuilds_cachescout_stats_once_vllms_plugins_have_run():
+    """Beside LMCache, MultiConnector looks CacheScout up in vLLM's registry by name to rebuild its
+    stats from the plain dict they cross processes as; vLLM runs our plugin entry point first. A
+    fresh interpreter, as a vLLM process is: nothing else registered it."""
+    code = ("from importlib.metadata import entry_points\n"
+            "eps = [e.value for e in entry_points(group='vllm.general_plugins')]\n"
+            "assert 'cachescout.connector.vllm_plugin:register' in eps, eps\n"
+            "from vllm.plugins import load_general_plugins\n"
+            "load_general_plugins()\n"
+            "from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector\n"
+            "stats = MultiConnector.build_kv_connector_stats({'CacheScoutConnector': {'requests': 3, 'steps': 2}})\n"
+            "child = stats.data['CacheScoutConnector']\n"
+            "print(type(child).__name__, child.reduce()['requests'])\n"
+            "load_general_plugins.__globals__['plugins_loaded'] = False\n"
+            "load_general_plugins()  # run again (vLLM may): no error\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["CacheScoutStats", "3"]
+
+
 def test_connector_raises_prefix_cache_hits(runs):
     lru = runs["lru"][2].summary()
     ours = runs["cachescout"][2].summary()
