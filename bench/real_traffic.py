@@ -30,7 +30,7 @@ from typing import Any
 from cachescout.policy import NATIVE_STATUS, PolicyConfig
 
 from .bound import belady_hits
-from .policies import make_policy
+from .policies import REGISTRY, make_policy
 from .replay import CostProfile, Engine, EngineConfig, PromptKeys
 from .run import calibrate_gpu_blocks
 from .table import render
@@ -101,25 +101,47 @@ def matrix(trace: str, counts: dict[str, Sequence[int]], seeds: Sequence[int], t
             for loop, ns in counts.items() for n in ns for seed in seeds for t in targets]
 
 
+def distinct(cells: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Cells kept once where several targets gave the same cache (the smallest that holds the mix's
+    largest call is already above them), and the repeats."""
+    seen: set[tuple] = set()
+    kept, dropped = [], []
+    for c in sorted(cells, key=lambda c: (c["loop"], c["count"], c["seed"], c["target"])):
+        key = (c["loop"], c["count"], c["seed"], c["gpu_blocks"])
+        (dropped if key in seen else kept).append(c)
+        seen.add(key)
+    return kept, dropped
+
+
 def summarize(cells: list[dict[str, Any]], ours: str = "cachescout", base: str = "lru") -> dict[str, Any]:
     """The worst and mean differences of `ours` against `base` over every cell."""
-    diffs, ratios, p99, worse = [], [], [], 0
+    diffs, ratios, p99, precision, worse, below, slower = [], [], [], [], 0, 0, 0
     for c in cells:
         a, b = c["policies"].get(ours), c["policies"].get(base)
         if a is None or b is None:
             continue
         d = a["token_hit_rate"] - b["token_hit_rate"]
         diffs.append(d)
+        below += d < -0.002
         # Below LRU by more than 0.2 points beyond two standard errors of the paired difference.
         worse += d + 2 * a.get("paired_se", 0.0) < -0.002
-        ratios.append(a["ttft_mean_ms"] / b["ttft_mean_ms"] if b["ttft_mean_ms"] else 1.0)
+        ratio = a["ttft_mean_ms"] / b["ttft_mean_ms"] if b["ttft_mean_ms"] else 1.0
+        ratios.append(ratio)
+        slower += ratio > 1.02
         p99.append(a["ttft_p99_ms"] / b["ttft_p99_ms"] if b["ttft_p99_ms"] else 1.0)
+        if "prefetch_precision" in a:
+            precision.append(a["prefetch_precision"])
     if not diffs:
         return {}
-    return {"cells": len(diffs), "cells_clearly_worse": worse, "hit_difference_min": min(diffs),
-            "hit_difference_mean": statistics.fmean(diffs),
-            "ttft_ratio_max": max(ratios), "ttft_ratio_mean": statistics.fmean(ratios),
-            "ttft_p99_ratio_max": max(p99), "ttft_p99_ratio_mean": statistics.fmean(p99)}
+    out = {"policy": ours, "against": base, "cells": len(diffs),
+           "cells_below_by_0.2pt": below, "cells_clearly_worse": worse, "cells_ttft_over_1.02x": slower,
+           "hit_difference_min": min(diffs), "hit_difference_mean": statistics.fmean(diffs),
+           "hit_difference_max": max(diffs),
+           "ttft_ratio_max": max(ratios), "ttft_ratio_mean": statistics.fmean(ratios),
+           "ttft_p99_ratio_max": max(p99), "ttft_p99_ratio_mean": statistics.fmean(p99)}
+    if precision:
+        out["prefetch_precision_mean"] = statistics.fmean(precision)
+    return out
 
 
 def format_cells(cells: list[dict[str, Any]], policies: Sequence[str]) -> str:
@@ -171,8 +193,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         counts, seeds = dict(QUICK), (1, 2)
     policies = [x for x in args.policies.split(",") if x]
     targets = [float(x) for x in args.targets.split(",") if x]
-    if args.jitters < 1 or not all(0 < t < 1 for t in targets) or not math.isfinite(args.cpu_ratio):
-        p.error("--jitters must be >= 1 and --targets within (0, 1)")
+    unknown = [x for x in policies if x not in REGISTRY]
+    if unknown or not policies:
+        p.error(f"--policies: unknown {', '.join(unknown) or '(none given)'}; "
+                f"choose from {', '.join(sorted(REGISTRY))}")
+    if args.jitters < 1:
+        p.error(f"--jitters must be an integer >= 1, got {args.jitters}")
+    if not targets or not all(0 < t < 1 for t in targets):
+        p.error(f"--targets must be LRU hit rates within (0, 1), got {args.targets!r}")
+    if not (math.isfinite(args.cpu_ratio) and args.cpu_ratio >= 0):
+        p.error(f"--cpu-ratio must be a finite number >= 0, got {args.cpu_ratio}")
+    if not os.path.isdir(args.trace):
+        p.error(f"--trace {args.trace}: not a folder of conversation files")
+    try:
+        load_trace(args.trace, TraceOptions(conversations=1))   # a bad folder fails here, not in a worker
+    except ValueError as e:
+        p.error(f"--trace {args.trace}: {e}")
     cells = matrix(args.trace, counts, seeds, targets, policies, args.jitters, args.cpu_ratio, args.window)
     t0 = time.time()
     results = []
@@ -183,9 +219,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stderr.write(f"\r{i + 1}/{len(cells)} cells, {time.time() - t0:.0f} s")
             sys.stderr.flush()
     sys.stderr.write("\n")
+    results, dropped = distinct(results)
+    for c in dropped:
+        print(f"note: {c['loop']} {c['count']} conversations, seed {c['seed']}: LRU cannot be brought to "
+              f"{c['target']:.0%} (the largest call needs {c['gpu_blocks']:,} blocks, where LRU already hits "
+              f"{c['policies'][policies[0]]['token_hit_rate']:.1%}); the cell is reported once", file=sys.stderr)
     print(format_cells(results, policies))
     base = "lmcache-lru" if "lmcache-lru" in policies else "lru"
-    summary = summarize(results, base=base)
+    summary = {name: summarize(results, ours=name, base=base) for name in policies if name != base}
     print(json.dumps(summary, indent=1))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

@@ -88,18 +88,23 @@ calls, cache sizes and run.
 - **Cache size**: per workload, the smallest GPU cache (within 2%) at which vanilla vLLM's LRU hits
   68% of prompt tokens.
 - **Semantics**: `hit` is the token-weighted prefix hit rate under vLLM block semantics (all tiers);
-  `TTFT` is queueing, tier loads and prefill on the virtual clock. `oracle` is prefix-aware Belady
-  on the GPU tier (the bound for eviction-only policies); `gap closed` = (policy - LRU) / (oracle -
-  LRU). `load@TTFT`: the highest offered load (sessions/s, of 1, 2, 2.5, 3, 4) whose p99 TTFT stays
-  under 1 s. `agents`: share of calls labelled with their agent's own inferred id; `sessions`: share of
-  calls placed in the same inferred session as their session's previous call; `next-agent`: share of
-  calls whose agent was the chain's top prediction.
+  `TTFT` is queueing, tier loads and prefill on the virtual clock. `bound on GPU hits` is Belady
+  over each run's own calls in the order that run admitted them (`bench/bound.py`): the most any
+  eviction order could have hit there, computed for every run and the highest taken, so it bounds
+  every policy's GPU-tier hit rate in the table. `gap closed` = (policy - LRU) / (bound - LRU), GPU
+  tier only. `belady` is a *policy*: prefix-aware Belady that knows the future of a reference run's
+  calls; on closed-loop timing its own run differs from that one, so it can fall below the bound
+  (and, on traffic where timing is chaotic, below LRU). `load@TTFT`: the highest offered load
+  (sessions/s, of 1, 2, 2.5, 3, 4) whose p99 TTFT stays under 1 s. `agents`: share of calls
+  labelled with their agent's own inferred id; `sessions`: share of calls placed in the same
+  inferred session as their session's previous call; `next-agent`: share of calls whose agent was
+  the chain's top prediction.
 - **Policies**: `lru` (vanilla vLLM), `lmcache-lru` (vLLM with LMCache's LRU tiers), `continuum`
   (pins a finished call's KV through the tool call for a TTL), `kvflow` (steps-to-execution priority
   and prefetch from the *true* workflow graph, agents, sessions and anchors), `cachescout` (given
   nothing but block hashes and token ids), `cachescout-noprefetch`, `cachescout-hints` (the framework
   also passes agent and session ids), `cachescout-hashonly` (block hashes only, as a trace without
-  token ids gives), `oracle`. How the competitors are modelled: `bench/baselines.py`.
+  token ids gives), `belady`. How the competitors are modelled: `bench/baselines.py`.
 """
 
 TRACE_TITLE = "A trace through vLLM's scheduler"
@@ -199,11 +204,127 @@ def trace_section() -> str:
     return (f"### {TRACE_TITLE}\n\n{TRACE_TEXT.format(fast_hit=fast_hit)}\n```\n{buf.getvalue().rstrip()}\n```\n")
 
 
+REAL_TITLE = "Real traffic"
+REAL_TEXT = """Recorded agentic coding traffic nobody here wrote: WEKA's Claude Code conversations with their
+sub-agents (`../shared/traces/claude-code/`, 64-token blocks, think times from seconds to hours; the
+format in [workloads.md](workloads.md#kv-cache-tester-conversations-json-jsongz-a-file-or-a-folder-of-them)),
+mixed as multi-tenant traffic on one replica: N conversations chosen by the seed, started at random
+within 30 minutes, replayed closed-loop (each call its recorded think time after the previous one
+finished here) or open-loop (at the recorded times), the GPU cache sized where LRU hits 60, 75 and
+90%. A closed loop is chaotic: a 0.1% change in prefill time reorders calls and moves LRU's own hit
+rate by up to a point, so each cell is the mean of {jitters} timings (prefill cost moved in 0.1%
+steps), every policy on the same ones; `LRU spread` is LRU's standard deviation over them and `±` the
+standard error of the paired difference. `bound` is Belady over each run's own calls, the most of
+the cell's runs. {tiers}
+
+```
+{command}
+```
+"""
+
+
+# Recorded traces replayed with every policy that applies, sweeps and plots: (name, path, options, flags).
+TRACE_RUNS = (
+    ("claude-code", "../shared/traces/claude-code", {}, ""),
+    ("mooncake", "../shared/traces/mooncake_conversation_trace.jsonl.gz", {"time_scale": 8.0},
+     " --trace-time-scale 8"),
+)
+TRACE_RUN_TEXT = {
+    "claude-code": "32 of the conversations (with their sub-agents) started within 30 minutes, closed loop "
+                   "(the `cachescout bench --trace` default for a folder); agents are labelled (`main`, "
+                   "`subagent:<type>`), so `cachescout-hints` and `kvflow` run.",
+    "mooncake": "Mooncake's conversation trace (a cluster's chat traffic, 512-token blocks, no agents or "
+                "sessions), its timestamps spread 8x to one replica's load, open loop.",
+}
+
+
+def trace_runs(root: str) -> str:
+    """Every applicable policy on each recorded trace, with the cache-size and load sweeps."""
+    from .trace import TraceOptions
+
+    parts = []
+    for name, path, extra, flags in TRACE_RUNS:
+        full = os.path.join(root, path)
+        if not os.path.exists(full):
+            parts.append(f"({full} is not on this machine: the {name} table was not run.)\n")
+            continue
+        print(f"running trace {name} ...", file=sys.stderr, flush=True)
+        buf = io.StringIO()
+        plots = f"docs/results-{name}.png"
+        run(BenchOptions(trace=full, trace_options=TraceOptions(**extra), policies=ALL_POLICIES, plots=plots,
+                         jobs=min(4, os.cpu_count() or 1)), None, out=buf)
+        parts.append(f"{TRACE_RUN_TEXT[name]} `cachescout bench --trace {path}{flags} --policies "
+                     f"{','.join(ALL_POLICIES)}`\n\n```\n{buf.getvalue().rstrip()}\n```\n\n"
+                     f"![hit rate vs GPU cache size, p99 TTFT vs load]({os.path.basename(plots)})\n")
+    return "\n".join(parts)
+
+
+def real_traffic_section(report: dict) -> str:
+    """The real-traffic matrix (bench/real_traffic.py's JSON) as a section of results.md."""
+    from .real_traffic import format_cells
+
+    args = report["args"]
+    policies = [x for x in args["policies"].split(",") if x]
+    flags = " ".join(f"--{k.replace('_', '-')} {args[k]}" for k in ("closed", "open", "seeds", "targets",
+                                                                    "policies", "jitters", "cpu_ratio")
+                     if args.get(k) not in (None, "", 0, 0.0))
+    command = f"python -m cachescout.bench.real_traffic --trace ../shared/traces/claude-code {flags}"
+    tiers = (f"With LMCache's CPU tier at {args['cpu_ratio']:g}x the GPU cache: `hit` counts every tier."
+             if args.get("cpu_ratio") else "GPU tier only.")
+    lines = [REAL_TEXT.format(jitters=args["jitters"], tiers=tiers, command=command),
+             "```", format_cells(report["cells"], policies).rstrip(), "```", ""]
+    for name, s in report["summary"].items():
+        if not s:
+            continue
+        lines.append(
+            f"- `{name}` against `{s['against']}` over {s['cells']} cells: "
+            f"hit rate {100 * s['hit_difference_mean']:+.2f} "
+            f"points on average ({100 * s['hit_difference_min']:+.2f} to {100 * s['hit_difference_max']:+.2f}); "
+            f"{s['cells_below_by_0.2pt']} cells more than 0.2 points below, {s['cells_clearly_worse']} of them beyond "
+            f"two standard errors; mean TTFT {s['ttft_ratio_mean']:.3f}x (at most {s['ttft_ratio_max']:.3f}x, "
+            f"{s['cells_ttft_over_1.02x']} cells above 1.02x); p99 TTFT {s['ttft_p99_ratio_mean']:.3f}x "
+            f"(at most {s['ttft_p99_ratio_max']:.3f}x)"
+            + (f"; prefetch precision {s['prefetch_precision_mean']:.0%}" if "prefetch_precision_mean" in s else "")
+            + ".")
+    return "\n".join(lines) + "\n"
+
+
+def kept_sections(path: str, titles: tuple[str, ...]) -> dict[str, str]:
+    """Sections of an existing results.md this run does not regenerate (their own, longer runs)."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            text = fh.read()
+    except OSError:
+        return {}
+    out = {}
+    for title in titles:
+        head = f"## {title}\n"
+        if head in text:
+            rest = text[text.index(head):]
+            end = rest.find("\n## ", len(head))
+            out[title] = rest if end < 0 else rest[:end + 1]
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="docs/results.md")
     ap.add_argument("--json", default=None, help="also write every scenario's results here")
+    ap.add_argument("--real-traffic", default=None, metavar="JSON", action="append",
+                    help="bench/real_traffic.py's --json output, as the real-traffic section (repeatable: "
+                         "GPU only, then with tiers); without it the section already in --out is kept")
+    ap.add_argument("--traces", default=None, metavar="ROOT",
+                    help="with --real-traffic: also replay the recorded traces (TRACE_RUNS, paths relative to "
+                         "ROOT, the project root) into that section (about 10 more minutes)")
     args = ap.parse_args(argv)
+    real = []
+    for path in args.real_traffic or ():
+        try:
+            with open(path, encoding="utf-8") as fh:
+                real.append(real_traffic_section(json.load(fh)))
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--real-traffic {path}: not a real_traffic JSON report ({e})")
+    kept = kept_sections(args.out, (REAL_TITLE,))
     parts = [INTRO]
     everything = {}
     for key, title, text, options, flags in SCENARIOS:
@@ -215,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
             parts.append("![hit rate vs GPU cache size, p99 TTFT vs offered load](results.png)\n")
     print("running trace ...", file=sys.stderr, flush=True)
     parts.append(trace_section())
+    if real:
+        traces = trace_runs(args.traces) if args.traces else ""
+        parts.append(f"## {REAL_TITLE}\n\n" + "\n".join(real) + ("\n" + traces if traces else ""))
+    elif REAL_TITLE in kept:
+        parts.append(kept[REAL_TITLE])
     parts.append(outro(everything))
     parts.append(f"\nGenerated {datetime.date.today().isoformat()} on {machine()}; timings are virtual except "
                  "the scheduler's and the connector's time per step (CPU time of the scheduler's thread).\n")

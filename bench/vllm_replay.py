@@ -195,6 +195,7 @@ class VllmReplay:
         # collector's way, so serving-time collections scan only what serving allocates.
         freeze_gc_heap()
         self._preempted: dict[str, int] = {}
+        self.reported_stats: dict[str, float] = {}   # connector stats vLLM's loggers received, summed
 
     def run(self, sessions: Sequence[Session], progress: Callable[[int, int], None] | None = None
             ) -> VllmReplayResult:
@@ -272,6 +273,10 @@ class VllmReplay:
                     if c.first_token_at is None:
                         c.first_token_at = self.now
             for outs in eco.values():
+                reported = outs.scheduler_stats.kv_connector_stats if outs.scheduler_stats else None
+                for k, v in (reported or {}).items():   # what vLLM's stats loggers received
+                    if isinstance(v, (int, float)):
+                        self.reported_stats[k] = self.reported_stats.get(k, 0) + v
                 for o in outs.outputs:
                     c = live.get(o.request_id)
                     if c is None:

@@ -169,6 +169,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
         self._failed = False
         self._reported: dict[str, float] = {}
         self._reported_at = float("-inf")
+        self._open_requests = 0     # seen by on_new_request, not yet finished
         self._reported_degraded = 0
         self._shared: SharedLearnedState | None = None
         self._decision_s = 0.0
@@ -187,6 +188,9 @@ class CacheScoutConnector(KVConnectorBase_V1):
             else:
                 lmcache_tier.register()   # before LMCache's connector (after ours) builds its engine
                 self._lmcache = lmcache_tier
+                from . import lmcache_cpu
+                if lmcache_cpu.install():  # vLLM's CPU backend: LMCache has no connector of its own for it
+                    log.info("CacheScout: LMCache will use CacheScout's connector for vLLM's CPU KV layout")
         if role == KVConnectorRole.SCHEDULER:
             self.policy = CacheScoutPolicy(self.settings.policy)
             self._steering = GpuSteering(self.policy, ahead_blocks=self.settings.steer_ahead_blocks,
@@ -237,6 +241,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
         self._steering.bind(kv_cache_manager.block_pool, lambda rid: req_to_blocks.get(rid) or ())
 
     def on_new_request(self, request: Request) -> None:
+        self._open_requests += 1
         if self._steering is not None and not self._failed:
             self._steering.arrived(request)
 
@@ -294,6 +299,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
         return [self._steering.anchors[a] for a in sorted(new)]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._open_requests = max(0, self._open_requests - 1)
         if self._steering is not None and not self._failed:
             # Files the blocks the request filled since its allocation: CacheScout's work, timed.
             t0 = time.thread_time()
@@ -315,7 +321,9 @@ class CacheScoutConnector(KVConnectorBase_V1):
         if self._steering is None:
             return self._worker_stats()
         t = self._steering.clock()
-        if t - self._reported_at < 1.0:
+        # About once a second, and at once when the last request in flight has finished: an idle
+        # server takes no steps, so what its last requests did would otherwise never be reported.
+        if t - self._reported_at < 1.0 and self._open_requests:
             return None
         self._reported_at = t
         now = dict(self._steering.stats)

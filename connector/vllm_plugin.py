@@ -12,15 +12,19 @@ worker before it builds configs or connectors; this package declares `register` 
 from __future__ import annotations
 
 CONNECTOR_NAME = "CacheScoutConnector"
+LMCACHE_CPU_NAME = "LMCacheCpuConnector"   # LMCache alone on vLLM's CPU backend (lmcache_cpu.py)
 
 
 def register() -> None:
-    """Register CacheScoutConnector with vLLM's KVConnectorFactory; safe to call again."""
+    """Register CacheScoutConnector (and LMCacheCpuConnector) with vLLM's KVConnectorFactory; safe to
+    call again."""
     try:
         from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     except ImportError:     # vLLM without connectors: nothing to register with
         return
-    try:
-        KVConnectorFactory.register_connector(CONNECTOR_NAME, "cachescout.connector.vllm_connector", CONNECTOR_NAME)
-    except ValueError:      # already registered (plugins may run more than once per process)
-        pass
+    for name, module in ((CONNECTOR_NAME, "cachescout.connector.vllm_connector"),
+                         (LMCACHE_CPU_NAME, "cachescout.connector.lmcache_cpu")):
+        try:
+            KVConnectorFactory.register_connector(name, module, name)
+        except ValueError:  # already registered (plugins may run more than once per process)
+            pass

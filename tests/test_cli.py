@@ -63,11 +63,25 @@ def test_a_fresh_process_on_another_build_is_refused(tmp_path, monkeypatch, caps
     (["--engine", "vllm", "--policies", "lru,belady"], "--engine vllm runs lru and cachescout"),
     (["--engine", "vllm", "--cpu-blocks", "100", "--policies", "lru"],
      "--engine vllm with CPU/Redis tiers runs lmcache-lru and cachescout"),
+    (["--engine", "serve", "--serve-configs", "prefix,bogus"], "--serve-configs: unknown bogus"),
+    (["--engine", "serve", "--serve-target", "1.5"], "--serve-target must be"),
+    (["--engine", "serve", "--serve-model", "/nonexistent"], "not a model folder"),
 ])
 def test_bad_arguments_fail_with_one_line(args, needle, capsys):
     assert main(["bench", "--quiet", "--no-sweeps", *args]) in (1, 2)
     err = capsys.readouterr().err.strip()
     assert needle in err and "\n" not in err
+
+
+def test_engine_serve_without_a_device_says_where_to_run_it(capsys):
+    """This environment's vLLM is the CUDA build, and there is no GPU here: refused before any
+    server starts, with where to run it instead."""
+    from vllm.platforms import current_platform
+    if current_platform.device_type:
+        pytest.skip(f"this vLLM serves on {current_platform.device_type} here")
+    assert main(["bench", "--quiet", "--engine", "serve", "--serve-configs", "prefix"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "real-engine environment" in err and "\n" not in err
 
 
 def test_engine_vllm_compares_both_engines(tmp_path, capsys):

