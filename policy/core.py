@@ -33,6 +33,15 @@ _EMA: Final = 0.02
 _DEAD_DECAY: Final = 0.995      # per expired session
 _RESAMPLE_AFTER: Final = 64      # requests after which the guard's sampling is set by their size
 _DEAD_MIN_BLOCKS: Final = 256.0  # dead blocks counted before their reuse is judged
+# Prefetch precision: prefetched blocks used before eviction, decayed per block judged. Below the
+# bar (one in two), a wrong prefetch (a displaced block that may need a recompute) costs more than a
+# right one saves (a load's latency): prefetch only one planning round in `_PREFETCH_PROBE`, so a
+# change in the traffic is still seen.
+_PREFETCH_DECAY: Final = 0.99
+_PREFETCH_JUDGED: Final = 32.0     # decayed blocks judged before the bar applies
+_PREFETCH_MIN_PRECISION: Final = 0.5
+_PREFETCH_PROBE: Final = 64
+_PREFETCH_PENDING_MAX: Final = 1 << 16
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -82,7 +91,6 @@ class _Live:
     obs: Observation
     started_at: float
     context: Group | None = None   # the group its context blocks go to (looked up once)
-    hinted: bool = False           # its session was named by the framework
 
 
 class CacheScoutPolicy:
@@ -99,6 +107,10 @@ class CacheScoutPolicy:
         self.planner = PrefetchPlanner(cfg, self.cost)
         self.guard = LruGuard()
         self._evicting = False
+        self._prefetched: dict[Hashable, None] = {}   # prefetched blocks not yet used or evicted
+        self._prefetch_used = 0.0                      # decayed counts of those judged
+        self._prefetch_judged = 0.0
+        self._prefetch_rounds = 0
         self._live: dict[Hashable, _Live] = {}
         self._aliases: dict[str, str] = {}        # inferred agent id -> hinted name for it
         self._next_hint: dict[Hashable, str] = {}  # session -> agent it will call next (hinted)
@@ -193,7 +205,7 @@ class CacheScoutPolicy:
         else:
             self._next_hint.pop(s.sid, None)
         obs = Observation(request_id, agent, s.sid, a.previous_agent, a.new, a.evidence, predicted, fp)
-        self._live[request_id] = _Live(obs, now, None, s.hinted)
+        self._live[request_id] = _Live(obs, now, None)
         self.stats["requests"] += 1
         if self.stats["requests"] % 512 == 0:
             self.index.prune_groups()
@@ -312,27 +324,7 @@ class CacheScoutPolicy:
         index.acquire(block_keys[:num_cached])
         if live.obs.agent is not None:
             contexts = self._context_keys.setdefault(live.obs.session, {})
-            old = contexts.get(live.obs.agent)
-            if old and live.hinted:
-                self._unfile_stale(old, block_keys, ctx)
             contexts[live.obs.agent] = list(block_keys)
-
-    def _unfile_stale(self, old: list, new: Sequence[Hashable], ctx: Group) -> None:
-        """Blocks of a (hinted) session's previous call under this agent that its new prompt left
-        out (the context was rewritten: compacted, or its tail replaced) will not be used by its
-        next call either: they leave the context's group for plain LRU order. Only where the
-        framework named the session: an inferred session that diverges may be two sessions."""
-        n = len(old)
-        if len(new) >= n and new[n - 1] == old[-1]:
-            return   # the new prompt extends the old one (chained keys: equal at the end, equal all along)
-        keep = set(new)
-        index = self.index
-        stale = index.group(("stale",), "stale")
-        for key in old:
-            if key not in keep:
-                b = index.block(key)
-                if b is not None and b.group is ctx:
-                    index.assign(b, stale)
 
     def extend_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable]) -> None:
         """Blocks the request filled while decoding (its output): filed with its context."""
@@ -374,9 +366,26 @@ class CacheScoutPolicy:
             rec = self.fingerprints.agent({v: k for k, v in self._aliases.items()}.get(agent, agent))
             if rec is not None and rec.anchor_node:
                 group = self.index.get_group(("anchor", agent, rec.anchor_node))
+        pending = self._prefetched
         for key in keys:
             self.index.add(key, group)
+            if len(pending) < _PREFETCH_PENDING_MAX:
+                pending[key] = None
         self.index.release(keys, self.clock() if now is None else now)
+
+    def _judge_prefetch(self, keys: Sequence[Hashable], used: bool) -> None:
+        pending = self._prefetched
+        for key in keys:
+            if key in pending:
+                del pending[key]
+                self._prefetch_used = self._prefetch_used * _PREFETCH_DECAY + (1.0 if used else 0.0)
+                self._prefetch_judged = self._prefetch_judged * _PREFETCH_DECAY + 1.0
+
+    def prefetch_precision(self) -> float | None:
+        """The decayed share of prefetched blocks used before they were evicted (None: too few yet)."""
+        if self._prefetch_judged < _PREFETCH_JUDGED:
+            return None
+        return self._prefetch_used / self._prefetch_judged
 
     def blocks_freed(self, keys: Sequence[Hashable], now: float | None = None) -> None:
         """Blocks whose reference count dropped to zero (still cached, now evictable)."""
@@ -386,6 +395,8 @@ class CacheScoutPolicy:
     def blocks_reused(self, keys: Sequence[Hashable]) -> None:
         """Free cached blocks a request hit: no longer evictable."""
         self.index.acquire(keys)
+        if self._prefetched:
+            self._judge_prefetch(keys, True)
 
     def _track_capacity(self) -> None:
         # Before the first eviction: the most blocks cached so far.
@@ -395,6 +406,8 @@ class CacheScoutPolicy:
     def blocks_evicted(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
             self.index.discard(key)
+        if self._prefetched:
+            self._judge_prefetch(keys, False)
 
     def block_backed(self, key: Hashable, backed: bool = True) -> None:
         """A lower tier now holds (or lost) a copy of this block."""
@@ -416,15 +429,23 @@ class CacheScoutPolicy:
         self._evicting = True
         g = self.guard
         g.capacity = len(self.index) if g.capacity == 0 else int(0.99 * g.capacity + 0.01 * len(self.index))
-        return self.index.evict(n, now)
+        out = self.index.evict(n, now)
+        if self._prefetched:
+            self._judge_prefetch(out, False)
+        return out
 
     def confidence(self) -> float:
         return self.scorer.confidence()
 
     def next_agent_probabilities(self) -> dict[str, tuple[float, float]]:
         """Per agent (by its hinted name where it has one): (probability that a live or arriving
-        session calls it next, the model's confidence in that); hinted next agents are certain."""
+        session calls it next, the model's confidence in that); hinted next agents are certain.
+        The confidence carries the guard's trust: where acting on the model loses to LRU, nothing
+        built on its predictions (prefetches, the CPU tier's ranking) acts either."""
+        trust = self.guard.trust
         probs = self.scorer.next_call_probabilities()
+        if trust < 1.0:
+            probs = {a: (p, conf * trust) for a, (p, conf) in probs.items()}
         for nxt in self._next_hint.values():
             probs[nxt] = (1.0, 1.0)   # the framework said so
         return probs
@@ -433,6 +454,10 @@ class CacheScoutPolicy:
         """Prefetch actions for the anchors and session contexts the next calls most likely need
         (see prefetch.py)."""
         now = self.clock() if now is None else now
+        precision = self.prefetch_precision()
+        self._prefetch_rounds += 1
+        if precision is not None and precision < _PREFETCH_MIN_PRECISION and self._prefetch_rounds % _PREFETCH_PROBE:
+            return []
         probs = self.next_agent_probabilities()
         inverse = {v: k for k, v in self._aliases.items()}
         candidates = []
@@ -458,7 +483,7 @@ class CacheScoutPolicy:
             reach, conf = self.scorer.row(s.agent)
             for agent, keys in contexts.items():
                 p = 1.0 if hinted == agent else self.learner.probability(s.agent, agent) * alive
-                c = 1.0 if hinted == agent else conf * link
+                c = 1.0 if hinted == agent else conf * link * self.guard.trust
                 if p >= self.cfg.prefetch_min_probability and room:
                     candidates.append(PrefetchCandidate(agent, p, keys, c, s.sid))
         return self.planner.plan(candidates, locate, inflight_bytes)

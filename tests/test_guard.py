@@ -26,15 +26,21 @@ def test_unsampled_shadow_reproduces_the_real_lru():
 _keys = itertools.count()
 
 
+def _sampled_keys(n: int) -> list[int]:
+    """n fresh keys that fall in the guard's sample."""
+    keys: list[int] = []
+    while len(keys) < n:
+        key = next(_keys)
+        if hash(key) % guard_mod.SAMPLE == 0:
+            keys.append(key)
+    return keys
+
+
 def _feed(guard: LruGuard, windows: int, ours_hits: bool, lru_hits: bool, per_request: int = 16):
     """Windows of sampled accesses (fresh keys, `per_request` to a request) where our cache and the
     shadow hit or miss as told."""
     for _ in range(windows * guard_mod._WINDOW // per_request):
-        keys = []
-        while len(keys) < per_request:
-            key = next(_keys)
-            if hash(key) % guard_mod.SAMPLE == 0:
-                keys.append(key)
+        keys = _sampled_keys(per_request)
         if lru_hits:
             for key in keys:
                 guard._free[key] = None    # the shadow holds them
@@ -86,11 +92,7 @@ def _mixed(guard: LruGuard, windows: int, ours_share: float):
     """Windows where the shadow hits every block and ours the given share of them (per request)."""
     per = 16
     for _ in range(windows * guard_mod._WINDOW // per):
-        keys = []
-        while len(keys) < per:
-            key = next(_keys)
-            if hash(key) % guard_mod.SAMPLE == 0:
-                keys.append(key)
+        keys = _sampled_keys(per)
         for key in keys:
             guard._free[key] = None
         guard.accessed(keys, round(ours_share * per))

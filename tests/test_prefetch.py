@@ -44,7 +44,8 @@ def test_thresholds_confidence_budget_and_cost():
     assert [a.agent for a in few.plan(two, {0: "cpu", 1: "cpu"}.get)] == ["b"]
 
 
-def test_policy_prefetches_the_predicted_next_agents_anchor():
+def _supervisor_then_coder():
+    """A policy that learned `sup` is always followed by `coder`, with a new `sup` call in flight."""
     policy = CacheScoutPolicy(PolicyConfig())
     sup, coder = anchor("sup", 5), anchor("coder", 7)
     t = 0.0
@@ -56,7 +57,43 @@ def test_policy_prefetches_the_predicted_next_agents_anchor():
             t += 1.0
     rid = ("new", "sup")
     policy.observe(rid, chain(sup + [("task", "new")]), hints=Hints(agent="sup", session="new"), now=t)
+    return policy, sup, coder, t
+
+
+def test_policy_prefetches_the_predicted_next_agents_anchor():
+    policy, sup, coder, t = _supervisor_then_coder()
     coder_keys = chain(coder)
     where = {k: "cpu" for k in coder_keys}
     actions = policy.plan_prefetch(where.get)
     assert actions and actions[0].agent == "coder" and actions[0].keys == tuple(coder_keys)
+
+
+def test_no_prefetch_and_no_cpu_ranking_while_the_guard_keeps_to_lru():
+    """Where acting on the model loses to LRU (trust 0), what is built on its predictions stops too:
+    no prefetch, agent scores of 0 (the CPU tier's plain LRU); a hinted next agent still counts."""
+    policy, sup, coder, t = _supervisor_then_coder()
+    where = {k: "cpu" for k in chain(coder)}.get
+    assert policy.plan_prefetch(where) and policy.next_agent_probabilities()["coder"][1] > 0
+    policy.guard.trust = 0.0
+    assert policy.plan_prefetch(where) == []
+    assert all(conf == 0.0 for _, conf in policy.next_agent_probabilities().values())
+    policy.observe(("hinted", "sup"), chain(sup + [("task", "h")]),
+                   hints=Hints(agent="sup", session="h", next_agent="coder"), now=t + 1)
+    assert policy.next_agent_probabilities()["coder"] == (1.0, 1.0)
+
+
+def test_prefetching_stops_while_prefetched_blocks_go_unused_and_resumes_when_they_are_used():
+    policy, sup, coder, t = _supervisor_then_coder()
+    where = {k: "cpu" for k in chain(coder)}.get
+    keys = tuple(chain(coder))
+    assert policy.prefetch_precision() is None
+    for _ in range(6):                                 # 42 prefetched blocks evicted unread
+        assert policy.plan_prefetch(where)
+        policy.blocks_prefetched(keys, "coder", now=t)
+        policy.blocks_evicted(keys)
+    assert policy.prefetch_precision() == 0.0
+    assert sum(bool(policy.plan_prefetch(where)) for _ in range(64)) == 1   # one probe round in 64
+    for _ in range(12):                                # then read before eviction
+        policy.blocks_prefetched(keys, "coder", now=t)
+        policy.blocks_reused(keys)
+    assert policy.prefetch_precision() > 0.5 and policy.plan_prefetch(where)
