@@ -259,10 +259,7 @@ def _bench(args: argparse.Namespace) -> int:
         trace_options = TraceOptions(block_size=args.trace_block_size, strict=args.strict_trace,
                                      loop=args.trace_loop, conversations=args.trace_conversations,
                                      window_s=args.trace_window, seed=args.seed, time_scale=args.trace_time_scale)
-    for flag, where in (("--json", args.json), ("--plots", None if args.no_sweeps or vllm else args.plots)):
-        folder = os.path.dirname(os.path.abspath(where)) if where else None
-        if folder is not None and not os.path.isdir(folder):
-            raise ValueError(f"{flag} {where}: the folder {folder} does not exist")
+    _check_output_folders(args.json, None if args.no_sweeps or vllm else args.plots)
     if args.trace and args.export_trace:
         raise ValueError("--export-trace writes the built-in workloads; it cannot be combined with --trace")
     opts = BenchOptions(families=families, policies=policies, sessions=args.sessions, rate=args.rate,
@@ -308,10 +305,7 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
         raise ValueError(f"--serve-target must be a hit rate within (0, 1), got {args.serve_target}")
     if args.gpu_blocks is not None and args.gpu_blocks < 4:
         raise ValueError(f"--gpu-blocks must be at least 4, got {args.gpu_blocks}")
-    for flag, where in (("--json", args.json), ("--plots", None if args.no_sweeps else args.plots)):
-        folder = os.path.dirname(os.path.abspath(where)) if where else None
-        if folder is not None and not os.path.isdir(folder):
-            raise ValueError(f"{flag} {where}: the folder {folder} does not exist")
+    _check_output_folders(args.json, None if args.no_sweeps else args.plots)
     if args.trace:
         from .trace import TraceOptions, load_trace
         loaded, _ = load_trace(args.trace, TraceOptions(block_size=args.trace_block_size, strict=args.strict_trace,
@@ -352,6 +346,14 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
               file=sys.stderr)
         return EXIT_ERROR
     return 0
+
+
+def _check_output_folders(json_path: str | None, plots: str | None) -> None:
+    """Before any work: the folders --json and --plots write into exist."""
+    for flag, where in (("--json", json_path), ("--plots", plots)):
+        folder = os.path.dirname(os.path.abspath(where)) if where else None
+        if folder is not None and not os.path.isdir(folder):
+            raise ValueError(f"{flag} {where}: the folder {folder} does not exist")
 
 
 def _progress_line(text: str) -> None:
