@@ -14,10 +14,37 @@ EXIT_ERROR = 1
 SERVE_CONFIGS = ("prefix", "lmcache", "cachescout", "cachescout-lmcache")   # bench/serve.py's CONFIGS
 
 
+def _number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
+            integer: bool = False):
+    """An argparse type: a finite number (or an integer) in range; argparse names the flag when it fails."""
+    kind = "an integer" if integer else "a finite number"
+    rule = kind + (f" {'>' if lo_open else '>='} {lo:g}" if lo is not None else "") + (
+        f" and <= {hi:g}" if hi is not None else "")
+
+    def parse(text: str) -> float | int:
+        try:
+            v: float | int = int(text) if integer else float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}") from None
+        if (not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo))
+                or (hi is not None and v > hi)):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
+        return v
+
+    parse.__name__ = "integer" if integer else "number"   # argparse's fallback message uses it
+    return parse
+
+
+_COUNT = 10**9            # sessions, blocks: far above any machine's
+_SECONDS = 10**9
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cachescout", description="Agent-aware KV-cache manager for vLLM.")
+    # exit_on_error=False: a bad value becomes one line from main(), not usage text and exit 2 here.
+    p = argparse.ArgumentParser(prog="cachescout", description="Agent-aware KV-cache manager for vLLM.",
+                                exit_on_error=False)
     sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", help="replay multi-agent workloads and compare eviction policies",
+    b = sub.add_parser("bench", exit_on_error=False, help="replay multi-agent workloads and compare eviction policies",
                        description="Replay the built-in multi-agent workloads on a vLLM-semantics prefix cache "
                                    "and compare policies on the same trace, cache size and run.")
     b.add_argument("--workloads", default="gsm8k,mtbench,gaia,swebench",
@@ -31,40 +58,42 @@ def _parser() -> argparse.ArgumentParser:
                         "--cpu-*/--redis-*, LMCache's tiers modelled by a connector beside it); serve: a real "
                         "vLLM server and model per configuration, measured at its OpenAI API (the real-engine "
                         "environment, docs/usage.md)")
-    b.add_argument("--sessions", type=int, default=None,
+    b.add_argument("--sessions", type=_number(1, _COUNT, integer=True), default=None,
                    help="sessions per workload (default 300; with --engine serve 30)")
-    b.add_argument("--rate", type=float, default=2.0, help="session arrivals per second (default 2)")
+    b.add_argument("--rate", type=_number(0, 1e6, lo_open=True),
+                   default=2.0, help="session arrivals per second (default 2)")
     b.add_argument("--routing", default="learned", help="learned, uniform or random (default learned)")
     b.add_argument("--arrivals", default="poisson", help="poisson or bursty (default poisson)")
-    b.add_argument("--seed", type=int, default=1)
-    b.add_argument("--gpu-blocks", type=int, default=None,
+    b.add_argument("--seed", type=_number(0, 2**32 - 1, integer=True), default=1)
+    b.add_argument("--gpu-blocks", type=_number(1, _COUNT, integer=True), default=None,
                    help="GPU cache size in blocks (default: sized per workload so LRU hits about 68%%)")
-    b.add_argument("--block-size", type=int, default=16)
-    b.add_argument("--cpu-blocks", type=int, default=0,
+    b.add_argument("--block-size", type=_number(1, 65536, integer=True), default=16)
+    b.add_argument("--cpu-blocks", type=_number(0, _COUNT, integer=True), default=0,
                    help="LMCache CPU tier size in blocks for every policy but lru (default 0: none)")
-    b.add_argument("--redis-blocks", type=int, default=0, help="Redis tier size in blocks (default 0: none)")
-    b.add_argument("--cpu-ratio", type=float, default=0.0,
+    b.add_argument("--redis-blocks", type=_number(0, _COUNT, integer=True),
+                   default=0, help="Redis tier size in blocks (default 0: none)")
+    b.add_argument("--cpu-ratio", type=_number(0, 1e4), default=0.0,
                    help="CPU tier as a multiple of each workload's GPU cache (instead of --cpu-blocks)")
-    b.add_argument("--redis-ratio", type=float, default=0.0, help="Redis tier as a multiple of the GPU cache")
+    b.add_argument("--redis-ratio", type=_number(0, 1e4), default=0.0, help="Redis tier as a multiple of the GPU cache")
     b.add_argument("--cost-profile", default="llama3.1-8b-h200",
                    help="step-time profile from bench/data/cost_profiles.json (default llama3.1-8b-h200)")
     b.add_argument("--trace", default=None, metavar="PATH",
                    help="replay this trace instead: a Mooncake-style JSONL file (.jsonl, .jsonl.gz) or "
                         "kv-cache-tester conversation files (.json, .json.gz: one file, or a folder of them, "
                         "mixed); the format is detected (docs/workloads.md)")
-    b.add_argument("--trace-block-size", type=int, default=512,
+    b.add_argument("--trace-block-size", type=_number(1, 65536, integer=True), default=512,
                    help="block size of JSONL records without 'block_size' (default 512, as Mooncake)")
     b.add_argument("--strict-trace", action="store_true", help="reject a trace with any malformed record")
     b.add_argument("--trace-loop", default="auto", choices=("auto", "closed", "open"),
                    help="closed: each call of a session issued its think time after the previous one finished; "
                         "open: every call at its recorded time; auto (default): closed where think times are "
                         "known (conversation files; JSONL sessions whose records all carry think_ms)")
-    b.add_argument("--trace-conversations", type=int, default=None, metavar="N",
+    b.add_argument("--trace-conversations", type=_number(1, _COUNT, integer=True), default=None, metavar="N",
                    help="conversation folder: mix N of its conversations, chosen by --seed (default: all, at most 32)")
-    b.add_argument("--trace-window", type=float, default=1800.0, metavar="S",
+    b.add_argument("--trace-window", type=_number(0, _SECONDS), default=1800.0, metavar="S",
                    help="conversation folder: start the mixed conversations at random times within S seconds "
                         "(by --seed; default 1800)")
-    b.add_argument("--trace-time-scale", type=float, default=1.0, metavar="X",
+    b.add_argument("--trace-time-scale", type=_number(0, 1e6, lo_open=True), default=1.0, metavar="X",
                    help="multiply every timestamp, offset and think time by X (e.g. 10 to spread a cluster's "
                         "trace to one replica's load; default 1)")
     b.add_argument("--export-trace", default=None, metavar="DIR",
@@ -72,9 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", default="results.json", help="where to write results (default results.json)")
     b.add_argument("--plots", default="results.png", help="where to write the PNG plots (default results.png)")
     b.add_argument("--no-sweeps", action="store_true", help="skip the cache-size and load sweeps (and the plots)")
-    b.add_argument("--ttft-budget-ms", type=float, default=1000.0,
+    b.add_argument("--ttft-budget-ms", type=_number(0, _SECONDS, lo_open=True), default=1000.0,
                    help="p99 TTFT budget for the load sustained (default 1000)")
-    b.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1),
+    b.add_argument("--jobs", type=_number(1, 256, integer=True), default=min(4, os.cpu_count() or 1),
                    help="workloads replayed in parallel processes (default: the CPU count, at most 4)")
     b.add_argument("--fresh-process", action="store_true",
                    help="replay each workload in a new Python process, one at a time (for CPU-time figures "
@@ -86,21 +115,25 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--serve-model", default=None, metavar="DIR",
                    help="model folder (default: the tiny random Llama, built once by "
                         "python -m cachescout.bench.tiny_model)")
-    s.add_argument("--serve-target", type=float, default=0.6,
+    s.add_argument("--serve-target", type=_number(0, 1, lo_open=True), default=0.6,
                    help="KV cache sized where the fast replay's LRU hits this share on the served calls "
                         "(default 0.6; --gpu-blocks instead sets it)")
-    s.add_argument("--serve-max-output", type=int, default=32, help="output tokens per call at most (default 32)")
-    s.add_argument("--serve-time-scale", type=float, default=0.05,
+    s.add_argument("--serve-max-output", type=_number(1, 65536, integer=True),
+                   default=32, help="output tokens per call at most (default 32)")
+    s.add_argument("--serve-time-scale", type=_number(0, 1e6, lo_open=True), default=0.05,
                    help="think times and arrivals multiplied by this (default 0.05)")
     s.add_argument("--serve-logs", default=None, metavar="DIR", help="keep the servers' logs here")
-    c = sub.add_parser("config", help="print the vLLM and LMCache configuration that turns CacheScout on",
+    c = sub.add_parser("config", exit_on_error=False,
+                       help="print the vLLM and LMCache configuration that turns CacheScout on",
                        description="Print vLLM's --kv-transfer-config for CacheScoutConnector (with LMCache's "
                                    "connector beside it when a CPU tier or Redis is asked for) and LMCache's YAML. "
                                    "Every value is validated as the connector will at start-up.")
     c.add_argument("--model", default="MODEL", help="model name for the printed vllm serve line")
-    c.add_argument("--cpu-gib", type=float, default=0.0, help="LMCache CPU tier per worker, GiB (default 0: none)")
+    c.add_argument("--cpu-gib", type=_number(0, 1e6),
+                   default=0.0, help="LMCache CPU tier per worker, GiB (default 0: none)")
     c.add_argument("--redis-url", default=None, help="LMCache Redis tier, redis://HOST:PORT (default: none)")
-    c.add_argument("--chunk-size", type=int, default=256, help="LMCache chunk size in tokens (default 256)")
+    c.add_argument("--chunk-size", type=_number(1, 65536, integer=True),
+                   default=256, help="LMCache chunk size in tokens (default 256)")
     c.add_argument("--lmcache-file", default="/etc/lmcache/lmcache.yaml",
                    help="where the LMCache YAML will live (for the printed command; default /etc/lmcache/lmcache.yaml)")
     c.add_argument("--state-url", default=None,
@@ -110,7 +143,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--settings", default="{}",
                    help="CacheScout settings as a JSON object (kv_connector_extra_config), e.g. "
                         "'{\"steer_ahead_blocks\": 32, \"policy\": {\"max_agents\": 200}}'")
-    st = sub.add_parser("state", help="inspect, export or reset the learned state replicas share through Redis",
+    st = sub.add_parser("state", exit_on_error=False,
+                        help="inspect, export or reset the learned state replicas share through Redis",
                         description="The shared learned state of one deployment and model: each replica's "
                                     "contribution and the merged transition matrix every replica predicts from.")
     st.add_argument("action", choices=("show", "export", "reset"))
@@ -122,7 +156,8 @@ def _parser() -> argparse.ArgumentParser:
                     help="the connector's shared_state settings as JSON (username, password_env, TLS files, "
                          "sentinels...); --url and --deployment override it")
     st.add_argument("--out", default=None, help="export: write the JSON here instead of stdout")
-    st.add_argument("--top", type=int, default=4, help="show: transitions listed per agent (default 4)")
+    st.add_argument("--top", type=_number(1, 10_000, integer=True),
+                    default=4, help="show: transitions listed per agent (default 4)")
     st.add_argument("--yes", action="store_true", help="reset: do it (without it, reset only says what it would do)")
     return p
 
@@ -179,11 +214,13 @@ def _config(args: argparse.Namespace) -> int:
         extra = json.loads(args.settings)
     except json.JSONDecodeError as exc:
         raise ValueError(f"--settings is not JSON: {exc}") from None
+    if not isinstance(extra, dict):
+        raise ValueError(f"--settings must be a JSON object (kv_connector_extra_config), got {args.settings!r:.80}")
     tiers = args.cpu_gib > 0 or bool(args.redis_url)
     if args.state_url or args.deployment:
         if not args.state_url:
             raise ValueError("--deployment goes with --state-url")
-        if not isinstance(extra, dict) or "shared_state" in extra:
+        if "shared_state" in extra:
             raise ValueError("give the shared state either in --settings or with --state-url, not both")
         extra["shared_state"] = {"url": args.state_url, "password_env": "CACHESCOUT_STATE_PASSWORD",
                                  **({"deployment": args.deployment} if args.deployment else {})}
@@ -238,24 +275,11 @@ def _bench(args: argparse.Namespace) -> int:
             raise ValueError(f"--policies: unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}")
     if args.routing not in ROUTINGS:
         raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, got {args.routing!r}")
-    if (args.sessions < 1 or args.rate <= 0 or args.block_size < 1
-            or (args.gpu_blocks is not None and args.gpu_blocks < 1)):
-        raise ValueError("--sessions, --rate, --block-size and --gpu-blocks must be positive")
-    if min(args.cpu_blocks, args.redis_blocks, args.cpu_ratio, args.redis_ratio) < 0:
-        raise ValueError("--cpu-blocks, --redis-blocks, --cpu-ratio and --redis-ratio must be >= 0")
     CostProfile.named(args.cost_profile)   # an unknown name fails here, listing the known ones
     trace_options = TraceOptions()
     if args.trace:
         if not os.path.exists(args.trace):
             raise ValueError(f"--trace {args.trace}: no such file or folder")
-        if not 1 <= args.trace_block_size <= 65536:
-            raise ValueError(f"--trace-block-size must be an integer in 1..65536, got {args.trace_block_size}")
-        if args.trace_conversations is not None and args.trace_conversations < 1:
-            raise ValueError(f"--trace-conversations must be a positive integer, got {args.trace_conversations}")
-        if not (math.isfinite(args.trace_window) and args.trace_window >= 0):
-            raise ValueError(f"--trace-window must be a finite number of seconds >= 0, got {args.trace_window}")
-        if not (math.isfinite(args.trace_time_scale) and args.trace_time_scale > 0):
-            raise ValueError(f"--trace-time-scale must be a finite number > 0, got {args.trace_time_scale}")
         trace_options = TraceOptions(block_size=args.trace_block_size, strict=args.strict_trace,
                                      loop=args.trace_loop, conversations=args.trace_conversations,
                                      window_s=args.trace_window, seed=args.seed, time_scale=args.trace_time_scale)
@@ -299,9 +323,7 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
         if f not in FAMILIES:
             raise ValueError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")
     sessions = 30 if args.sessions is None else args.sessions
-    if sessions < 1:
-        raise ValueError(f"--sessions must be a positive integer, got {sessions}")
-    if not (math.isfinite(args.serve_target) and 0 < args.serve_target < 1):
+    if not args.serve_target < 1:
         raise ValueError(f"--serve-target must be a hit rate within (0, 1), got {args.serve_target}")
     if args.gpu_blocks is not None and args.gpu_blocks < 4:
         raise ValueError(f"--gpu-blocks must be at least 4, got {args.gpu_blocks}")
@@ -362,7 +384,11 @@ def _progress_line(text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        args = _parser().parse_args(argv)
+    except argparse.ArgumentError as exc:
+        print(f"cachescout: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     try:
         if args.command == "bench":
             return _bench(args)

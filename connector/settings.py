@@ -10,11 +10,11 @@ it accepts, before the engine serves anything.
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from cachescout.policy import ConfigError, PolicyConfig
+from cachescout.policy.config import check_value
 
 from .shared_state import SharedStateSettings
 
@@ -28,8 +28,8 @@ class ConnectorSettings:
     store_wait_ms: float = 50.0       # LMCache store path: wait this long for CPU-tier room before dropping
     shared_state: SharedStateSettings | None = None   # learn with the other replicas through Redis
 
-    _LIMITS = {"steer_ahead_blocks": (1, 1_000_000), "steer_ahead_factor": (0, 1_000_000),
-               "store_wait_ms": (0, 10_000)}
+    _LIMITS = {"steer_gpu": ("bool", None, None), "steer_ahead_blocks": ("int", 1, 1_000_000),
+               "steer_ahead_factor": ("float", 0, 1_000_000), "store_wait_ms": ("float", 0, 10_000)}
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, block_size: int | None = None,
@@ -58,19 +58,9 @@ class ConnectorSettings:
             policy_cfg = PolicyConfig.from_mapping(policy)
         except ConfigError as exc:
             raise ConfigError(f"kv_connector_extra_config.policy: {exc}") from None
-        if "steer_gpu" in extra and not isinstance(extra["steer_gpu"], bool):
-            raise ConfigError("kv_connector_extra_config: 'steer_gpu' must be true or false, "
-                              f"got {extra['steer_gpu']!r}")
-        for name, (lo, hi) in cls._LIMITS.items():
-            if name not in extra:
-                continue
-            v = extra[name]
-            want_int = name == "steer_ahead_blocks"
-            ok = (isinstance(v, int) if want_int else isinstance(v, (int, float))) and not isinstance(v, bool)
-            if not ok or not math.isfinite(v) or not lo <= v <= hi:
-                kind = "an integer" if want_int else "a number"
-                raise ConfigError(f"kv_connector_extra_config: {name!r} must be {kind} in [{lo}, {hi}], "
-                                  f"got {v!r}")
+        for name, (kind, lo, hi) in cls._LIMITS.items():
+            if name in extra:
+                check_value(f"kv_connector_extra_config.{name}", extra[name], kind, lo, hi)
         shared = extra.pop("shared_state", None)
         if shared is not None:
             shared = SharedStateSettings.from_mapping(shared, "kv_connector_extra_config.shared_state",

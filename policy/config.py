@@ -13,9 +13,14 @@ from typing import Any
 
 from .errors import ConfigError
 
+_DEFAULT_HI = 1e12   # the upper bound of a number without its own
+
 
 def _setting(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
              lo_open: bool = False) -> Any:
+    # Every number has an upper bound too: a finite setting can still overflow the arithmetic it feeds.
+    if hi is None and not isinstance(default, bool):
+        hi = _DEFAULT_HI
     return dataclasses.field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open})
 
 
@@ -111,22 +116,21 @@ class PolicyConfig:
                 for f in dataclasses.fields(cls)]
 
 
-def _accepted(f: dataclasses.Field) -> str:
-    lo, hi, lo_open = f.metadata["lo"], f.metadata["hi"], f.metadata["lo_open"]
-    kind = {"int": "an integer", "float": "a number", "bool": "true or false"}[_type_name(f)]
+def accepted(kind: str, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> str:
+    """What a setting of `kind` ('int', 'float' or 'bool') in [lo, hi] accepts, in words."""
+    what = {"int": "an integer", "float": "a finite number", "bool": "true or false"}[kind]
     if lo is None and hi is None:
-        return kind
+        return what
     left = f"> {lo:g}" if lo_open else f">= {lo:g}"
-    return f"{kind} {left}" + (f" and <= {hi:g}" if hi is not None else "")
+    return f"{what} {left}" + (f" and <= {hi:g}" if hi is not None else "")
 
 
-def _type_name(f: dataclasses.Field) -> str:
-    return f.type if isinstance(f.type, str) else f.type.__name__
-
-
-def _check(f: dataclasses.Field, value: Any) -> None:
-    kind = _type_name(f)
-    # bool is an int subclass: reject True where a number is wanted and 1 where a flag is.
+def check_value(name: str, value: Any, kind: str, lo: float | None = None, hi: float | None = None,
+                lo_open: bool = False) -> None:
+    """ConfigError naming `name` unless `value` is of `kind` ('int', 'float' or 'bool'), finite and
+    in range. The one check every settings class uses (policy, connector, shared state): bool is
+    refused where a number is wanted and 1 where a flag is, and an integer too large for a float
+    is out of range rather than an OverflowError later."""
     if kind == "bool":
         ok = isinstance(value, bool)
     elif kind == "int":
@@ -134,14 +138,26 @@ def _check(f: dataclasses.Field, value: Any) -> None:
     else:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
     if not ok:
-        raise ConfigError(f"setting {f.name!r} must be {_accepted(f)}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"setting {name!r} must be {accepted(kind, lo, hi, lo_open)}, got {value!r:.80} "
+                          f"({type(value).__name__})")
     if kind == "bool":
         return
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"setting {f.name!r} must be {_accepted(f)}, got {value!r}")
-    lo, hi, lo_open = f.metadata["lo"], f.metadata["hi"], f.metadata["lo_open"]
-    if (lo is not None and (value <= lo if lo_open else value < lo)) or (hi is not None and value > hi):
-        raise ConfigError(f"setting {f.name!r} must be {_accepted(f)}, got {value!r}")
+    try:
+        finite = math.isfinite(value)
+    except OverflowError:    # an int beyond any float
+        finite = False
+    if (not finite or (lo is not None and (value <= lo if lo_open else value < lo))
+            or (hi is not None and value > hi)):
+        raise ConfigError(f"setting {name!r} must be {accepted(kind, lo, hi, lo_open)}, got {value!r:.80}")
+
+
+def _type_name(f: dataclasses.Field) -> str:
+    return f.type if isinstance(f.type, str) else f.type.__name__
+
+
+def _check(f: dataclasses.Field, value: Any) -> None:
+    m = f.metadata
+    check_value(f.name, value, _type_name(f), m["lo"], m["hi"], m["lo_open"])
 
 
 def reject_unknown(values: Mapping[str, Any], known: set[str], what: str) -> None:

@@ -64,7 +64,11 @@ def test_a_fresh_process_on_another_build_is_refused(tmp_path, monkeypatch, caps
     (["--engine", "vllm", "--cpu-blocks", "100", "--policies", "lru"],
      "--engine vllm with CPU/Redis tiers runs lmcache-lru and cachescout"),
     (["--engine", "serve", "--serve-configs", "prefix,bogus"], "--serve-configs: unknown bogus"),
-    (["--engine", "serve", "--serve-target", "1.5"], "--serve-target must be"),
+    (["--engine", "serve", "--serve-target", "1.5"], "--serve-target: '1.5' is not a finite number > 0"),
+    (["--cpu-ratio", "inf"], "--cpu-ratio: 'inf' is not a finite number"),
+    (["--rate", "nan"], "--rate: 'nan' is not a finite number"),
+    (["--sessions", "1e400"], "--sessions: '1e400' is not an integer"),
+    (["--gpu-blocks", "9" * 40], "--gpu-blocks"),
     (["--engine", "serve", "--serve-model", "/nonexistent"], "not a model folder"),
 ])
 def test_bad_arguments_fail_with_one_line(args, needle, capsys):
@@ -156,6 +160,20 @@ def test_config_with_shared_state_does_not_need_the_pods_secrets(capsys, monkeyp
     assert '"password_env": "CS_NOT_HERE"' in out
     assert main(["config", "--settings", '{"shared_state": {"url": "http://state"}}']) == 2
     assert "shared_state.url" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--settings", "null"], "--settings must be a JSON object"),
+    (["--settings", "[1]"], "--settings must be a JSON object"),
+    (["--settings", '{"store_wait_ms": 1e400}'], "store_wait_ms"),
+    (["--settings", '{"policy": {"max_agents": 1e400}}'], "max_agents"),
+    (["--cpu-gib", "nan"], "--cpu-gib: 'nan' is not a finite number"),
+    (["--chunk-size", "0"], "--chunk-size"),
+])
+def test_config_refuses_bad_values_in_one_line(args, needle, capsys):
+    assert main(["config", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and "\n" not in err
 
 
 def test_config_with_a_state_store(capsys):

@@ -14,7 +14,10 @@ def test_defaults_are_valid_and_documented():
 
 @pytest.mark.parametrize("field,value,needle", [
     ("block_size", 0, "'block_size' must be an integer >= 1"),
-    ("transition_half_life", -3.0, "'transition_half_life' must be a number > 0"),
+    ("transition_half_life", -3.0, "'transition_half_life' must be a finite number > 0"),
+    ("transition_half_life", 10**400, "'transition_half_life' must be a finite number > 0 and <= 1e+12"),
+    ("session_idle_timeout_s", 10**20, "'session_idle_timeout_s'"),
+    ("prefetch_max_inflight_bytes", 10**400, "'prefetch_max_inflight_bytes'"),
     ("transition_half_life", math.nan, "'transition_half_life'"),
     ("prefetch_min_probability", 1.5, "<= 1"),
     ("min_confidence", math.inf, "'min_confidence'"),

@@ -32,6 +32,11 @@ def test_values_are_read():
     ({"policy": {"no_such_setting": 1}}, "no_such_setting"),   # unknown policy setting
     ({"policy": {"block_size": 64}}, "block_size"),            # disagrees with vLLM's
     ({"policy": []}, "policy"),
+    ({"store_wait_ms": 10**400}, "store_wait_ms"),             # an integer beyond any float
+    ({"steer_ahead_factor": 10**400}, "steer_ahead_factor"),
+    ({"steer_ahead_blocks": None}, "steer_ahead_blocks"),
+    ({"policy": {"transition_half_life": 10**400}}, "transition_half_life"),
+    ({"shared_state": {"url": "redis://h", "flush_interval_s": 10**400}}, "flush_interval_s"),
 ])
 def test_bad_values_name_the_field(extra, field):
     with pytest.raises(ConfigError, match=field):
