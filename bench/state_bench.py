@@ -10,6 +10,11 @@
    next-agent accuracy on the same requests, started warm from the shared state or cold, against a
    replica that has run since the start (the fleet), on the fast replay engine.
 
+3. hostile: N entries of 4 MiB each in Redis, in the shapes that expand most when decoded, rewritten
+   between rounds so that every round must fetch and decode them again; a thread standing in for
+   vLLM's scheduler (1 ms of GIL-free "forward pass", then a little Python) measures its step times
+   while the replica's background thread runs its rounds.
+
 Without --redis-url a private redis-server is started on a free loopback port (and stopped).
 """
 
@@ -18,14 +23,19 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import random
 import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+import zlib
 from collections.abc import Iterator, Sequence
+
+import msgpack
 
 from cachescout.connector.shared_state import SharedLearnedState, SharedStateSettings
 from cachescout.policy import CacheScoutPolicy, PolicyConfig
@@ -70,6 +80,93 @@ def _replica(url: str, deployment: str, name: str, half_life: float = 200.0) -> 
     shared = SharedLearnedState(settings, half_life=half_life, model="bench", hash_domain="bench")
     shared.attach(policy)
     return policy, shared
+
+
+# -- 3. hostile entries ------------------------------------------------------------------------------
+def hostile_blobs(size: int) -> dict[str, bytes]:
+    """Blobs of about `size` bytes built to expand as much as possible when unpacked, each sealed
+    with a valid checksum (whoever can write the keys can compute one)."""
+    head = msgpack.packb({"kind": "cachescout.transitions", "schema": 2, "half_life": 200.0})
+    head = b"\x84" + head[1:] + msgpack.packb("rows")
+    per = 16_000   # items per array: under the decoder's limit, so only the shape check refuses them
+
+    def sealed(body: bytes) -> bytes:
+        return body + zlib.crc32(body).to_bytes(4, "big")
+
+    def nest(item: bytes) -> bytes:   # rows: arrays of `per` copies of `item`, as many as fit
+        chunk = b"\xdc" + per.to_bytes(2, "big") + item * per
+        n = max(1, (size - len(head)) // len(chunk))
+        return sealed(head + b"\xdc" + n.to_bytes(2, "big") + chunk * n)
+
+    def unique_cells() -> bytes:       # valid-looking to the last cell: distinct names, one row each
+        per_row = 16_000   # under the decoder's limit of transitions per agent
+        cells = [b"\x92" + msgpack.packb(f"{i:x}") + b"\x01" for i in range(size // 8)]
+        rows = b"".join(b"\x92" + msgpack.packb(f"r{j:x}") + b"\xdc" + per_row.to_bytes(2, "big")
+                        + b"".join(cells[j * per_row:(j + 1) * per_row]) for j in range(len(cells) // per_row))
+        return sealed(head + b"\xdc" + (len(cells) // per_row).to_bytes(2, "big") + rows)
+
+    return {"empty arrays": nest(b"\x90"), "empty maps": nest(b"\x80"), "short strings": nest(b"\xa2ab"),
+            "repeated cells": nest(b"\x92\xa1a\x01"), "one-cell rows": nest(b"\x92\xa1a\x91\x92\xa1b\x01"),
+            "distinct cells": unique_cells(), "deep nesting": sealed(head + b"\x91" * 100_000)}
+
+
+def hostile(url: str, entries: int = 8, size: int = 4 * 1024 * 1024, seconds: float = 4.0,
+            pacer: bool = True) -> list[dict]:
+    """Per shape: the scheduler stand-in's step times (ms) while `entries` hostile entries are in
+    Redis, rewritten (new seq) before every round; plus a baseline with none."""
+    import redis
+    r = redis.Redis.from_url(url)
+    try:
+        shapes = {"none": b"", **hostile_blobs(size)}
+        return [_hostile_run(r, url, f"hostile-{i}", shape, blob, entries if blob else 0, seconds, pacer)
+                for i, (shape, blob) in enumerate(shapes.items())]
+    finally:
+        r.close()
+
+
+def _hostile_run(r, url: str, deployment: str, shape: str, blob: bytes, entries: int, seconds: float,
+                 pacer: bool) -> dict:
+    policy, shared = _replica(url, deployment, "victim")
+    if not pacer:
+        shared._pacer.slice_s = float("inf")
+    keys = shared.keys
+    assert shared.sync_now(), shared.status()
+    steps: list[float] = []
+    stop = threading.Event()
+
+    def scheduler() -> None:
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(0.001)                  # the forward pass: the GIL is free
+            for _ in range(50):                # a little Python per step
+                policy.learner.probability(START, END)
+            steps.append((time.perf_counter() - t0 - 0.001) * 1000)
+
+    t = threading.Thread(target=scheduler, daemon=True)
+    t.start()
+    rounds, busy = 0, 0.0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if entries:                            # rewritten: every round must fetch and decode them again
+            p = r.pipeline(transaction=False)
+            now = int(time.time() * 1000)
+            for i in range(entries):
+                p.hset(keys.rep(f"evil-{i}"), mapping={"gen": 1, "seq": rounds + 1, "at": now, "blob": blob})
+                p.zadd(keys.replicas, {f"evil-{i}": now})
+            p.execute()
+        t0 = time.perf_counter()
+        shared.sync_now()
+        busy += time.perf_counter() - t0
+        rounds += 1
+    stop.set()
+    t.join()
+    st = shared.status()
+    shared.close(final_flush=False)
+    steps.sort()
+    return {"shape": shape, "entries": entries, "blob_bytes": len(blob), "rounds": rounds,
+            "round_ms": busy / rounds * 1000, "rejected": st.get("rejected_blobs", 0), "steps": len(steps),
+            "step_p50_ms": steps[len(steps) // 2], "step_p99_ms": steps[int(len(steps) * 0.99)],
+            "step_max_ms": steps[-1], "pacer": pacer}
 
 
 # -- 1. flush and merge cost -------------------------------------------------------------------------
@@ -231,6 +328,25 @@ def _join_figures(runs: dict[str, list[tuple[int, int, int]]], window: int) -> d
 
 def markdown(figures: dict) -> str:
     """The figures as the tables in docs/shared_state.md."""
+    out = _cost_table(figures) + ["", *_join_table(figures), "", *_hostile_table(figures)]
+    return "\n".join(out)
+
+
+def _hostile_table(figures: dict) -> list[str]:
+    out = ["Hostile entries (8 entries of about 4 MiB, each rewritten with a new sequence number before every "
+           "round, so every round fetches and decodes all of them; rounds back to back for 4 s; a stand-in for "
+           "vLLM's scheduler thread sleeps 1 ms, the forward pass, then runs a little Python; step = its time "
+           "beyond the 1 ms):", "",
+           "| shape | entries | rounds | round | refused | steps | step p50 | step p99 | step max |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for h in figures.get("hostile", []):
+        out.append(f"| {h['shape']} | {h['entries']} | {h['rounds']} | {h['round_ms']:,.0f} ms | {h['rejected']} "
+                   f"| {h['steps']:,} | {h['step_p50_ms']:.2f} ms | {h['step_p99_ms']:.2f} ms "
+                   f"| {h['step_max_ms']:.2f} ms |")
+    return out
+
+
+def _cost_table(figures: dict) -> list[str]:
     out = ["Flush and merge, 8 replicas, each agent with 8 successors (milliseconds, medians over the 8 "
            "replicas and 5 rounds; in every round each replica has new traffic, so every peer's blob is "
            "fetched and decoded again):", "",
@@ -240,8 +356,12 @@ def markdown(figures: dict) -> str:
         out.append(f"| {r['agents']:,} | {r['transitions_per_replica']:,} | {r['blob_bytes'] / 1024:,.1f} KiB "
                    f"| {r['steady_encode_ms']:.2f} | {r['steady_flush_ms']:.2f} | {r['steady_read_ms']:.2f} "
                    f"| {r['steady_merge_ms']:.2f} | {r['steady_build_ms']:.2f} | {r['steady_install_ms']:.3f} |")
+    return out
+
+
+def _join_table(figures: dict) -> list[str]:
     joins = figures["join"]
-    out += ["", "A replica joining half-way (mean over seeds; the joiner takes over one replica's share of the "
+    out = ["A replica joining half-way (mean over seeds; the joiner takes over one replica's share of the "
             "second half; \"fleet\" is that replica had it kept running, measured on the same requests; "
             "catch-up: requests served before its next 100 are within 1 point of the fleet's hit rate / 5 "
             "points of its next-agent accuracy, median):", "",
@@ -265,7 +385,7 @@ def markdown(figures: dict) -> str:
                    f"| {trio('_accuracy_first_100', '.2f')} "
                    f"| {med('warm_catch_up_hit')} / {med('cold_catch_up_hit')} "
                    f"| {med('warm_catch_up_accuracy')} / {med('cold_catch_up_accuracy')} |")
-    return "\n".join(out)
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -274,9 +394,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--json", default="state_bench.json")
     ap.add_argument("--families", default="gsm8k,mtbench,gaia,swebench")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per family for the join figures (default 3)")
+    ap.add_argument("--sections", default="cost,join,hostile", help="which figures (default cost,join,hostile)")
     args = ap.parse_args(argv)
+    sections = set(args.sections.split(","))
     with (contextlib.nullcontext(args.redis_url) if args.redis_url else private_redis()) as url:
-        figures: dict = {"cost": cost(url)}
+        figures: dict = {"cost": cost(url) if "cost" in sections else [], "join": [], "hostile": []}
         print(f"{'agents':>6} {'cells':>6} {'blob':>8} {'encode':>7} {'flush':>7} {'read 1st':>8} {'read':>7} "
               f"{'merge 1st':>9} {'merge':>7} {'build':>7} {'install':>8}  (ms, medians over 8 replicas)")
         for r in figures["cost"]:
@@ -284,8 +406,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                   f"{r['steady_encode_ms']:>7.3f} {r['steady_flush_ms']:>7.3f} {r['first_read_ms']:>8.3f} "
                   f"{r['steady_read_ms']:>7.3f} {r['first_merge_ms']:>9.3f} {r['steady_merge_ms']:>7.3f} "
                   f"{r['steady_build_ms']:>7.3f} {r['steady_install_ms']:>8.3f}")
-        figures["join"] = []
-        for family in args.families.split(","):
+        if "hostile" in sections:
+            # (the rejections are logged; quiet here)
+            logging.getLogger("cachescout.shared_state").setLevel(logging.ERROR)
+            figures["hostile"] = hostile(url)
+            for h in figures["hostile"]:
+                print(f"hostile {h['shape']:<15} {h['entries']} x {h['blob_bytes']:>9,} B: {h['rounds']} rounds of "
+                      f"{h['round_ms']:.0f} ms; scheduler step p50 {h['step_p50_ms']:.2f} p99 {h['step_p99_ms']:.2f} "
+                      f"max {h['step_max_ms']:.2f} ms over {h['steps']} steps", flush=True)
+        for family in (args.families.split(",") if "join" in sections else []):
             for seed in range(args.seeds):
                 j = join(url, family=family, seed=seed)
                 figures["join"].append(j)

@@ -23,27 +23,32 @@ garbage never reaches serving, local learning goes on, and `status()`/metrics sa
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import gc
 import logging
 import math
 import os
+import re
 import secrets
 import socket
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 from cachescout.policy import CacheScoutPolicy, ConfigError, StateDecodeError, TransitionLearner, TransitionSnapshot
-from cachescout.policy.config import reject_unknown
+from cachescout.policy.config import check_value, reject_unknown
 from cachescout.policy.core import SHARED_NAME_PREFIX
 from cachescout.policy.state import MAX_BLOB_BYTES
 
-from .state_store import NAME_RULE, StateKeys, StateStore, StoreView
+from .state_store import NAME_RULE, SCHEMA, StateKeys, StateStore, StoreView
 
 log = logging.getLogger("cachescout.shared_state")
 
+_EPOCH = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_REJECT_LOG_INTERVAL_S = 600.0
 _DEPARTED_FLOOR = 1e-3     # a departed blob weighing less than this is dropped (about 10 half-lives)
 
 
@@ -84,12 +89,12 @@ class SharedStateSettings:
     max_replicas: int = 256
 
     _NUMBERS = {
-        "flush_interval_s": (0.05, 3600.0), "timeout_s": (0.01, 10.0), "breaker_max_cooldown_s": (0.1, 3600.0),
-        "fold_after_s": (0.15, 30 * 86400.0), "departed_half_life_s": (1.0, 365 * 86400.0),
-        "replica_ttl_s": (60.0, 365 * 86400.0),
+        "flush_interval_s": ("float", 0.05, 3600.0), "timeout_s": ("float", 0.01, 10.0),
+        "breaker_max_cooldown_s": ("float", 0.1, 3600.0), "fold_after_s": ("float", 0.15, 30 * 86400.0),
+        "departed_half_life_s": ("float", 1.0, 365 * 86400.0), "replica_ttl_s": ("float", 60.0, 365 * 86400.0),
+        "retries": ("int", 0, 5), "breaker_failures": ("int", 1, 100), "max_blob_bytes": ("int", 1024, MAX_BLOB_BYTES),
+        "max_replicas": ("int", 1, 10_000), "cluster": ("bool", None, None), "sentinel_tls": ("bool", None, None),
     }
-    _INTS = {"retries": (0, 5), "breaker_failures": (1, 100), "max_blob_bytes": (1024, MAX_BLOB_BYTES),
-             "max_replicas": (1, 10_000)}
     _STRINGS = ("url", "sentinel_service", "deployment", "model", "replica", "username", "password_env",
                 "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file")
 
@@ -106,18 +111,9 @@ class SharedStateSettings:
             v = values.get(name)
             if v is not None and (not isinstance(v, str) or not v):
                 raise ConfigError(f"{where}.{name} must be a non-empty string, got {v!r}")
-        for name, (lo, hi) in cls._NUMBERS.items():
-            v = values.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))
-                                  or not math.isfinite(v) or not lo <= v <= hi):
-                raise ConfigError(f"{where}.{name} must be a number in [{lo}, {hi}], got {v!r}")
-        for name, (lo, hi) in cls._INTS.items():
-            v = values.get(name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi):
-                raise ConfigError(f"{where}.{name} must be an integer in [{lo}, {hi}], got {v!r}")
-        for name in ("cluster", "sentinel_tls"):
-            if name in values and not isinstance(values[name], bool):
-                raise ConfigError(f"{where}.{name} must be true or false, got {values[name]!r}")
+        for name, (kind, lo, hi) in cls._NUMBERS.items():
+            if name in values:
+                check_value(f"{where}.{name}", values[name], kind, lo, hi)
         sentinels = values.get("sentinels", ())
         if not isinstance(sentinels, (list, tuple)) or not all(
                 isinstance(s, str) and _host_port(s) is not None for s in sentinels):
@@ -146,6 +142,7 @@ class SharedStateSettings:
             if parts.password:
                 raise ConfigError(f"{where}.url must not hold a password (it would show in process arguments "
                                   "and logs); use 'password_env' or 'password_file'")
+            _check_url(parts, where)
         if self.password_env and self.password_file:
             raise ConfigError(f"{where}: give 'password_env' or 'password_file', not both")
         if check_environment and self.password_env and self.password_env not in os.environ:
@@ -183,6 +180,25 @@ class SharedStateSettings:
         return f"{parts.scheme}://{host}{':' + str(parts.port) if parts.port else ''}"
 
 
+def _check_url(parts: SplitResult, where: str) -> None:
+    """What redis-py would refuse only when it first connects, refused at start-up instead."""
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if port == -1 or port == 0:
+        raise ConfigError(f"{where}.url has an invalid port (an integer in 1..65535): {parts.netloc!r:.80}")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ConfigError(f"{where}.url: unix:// needs the socket's path, e.g. unix:///run/redis.sock")
+        return
+    if not parts.hostname:
+        raise ConfigError(f"{where}.url names no host: {parts.scheme}://{parts.netloc}")
+    db = parts.path.lstrip("/")
+    if db and not (db.isdigit() and int(db) < 2**31):
+        raise ConfigError(f"{where}.url: the database after the host must be a number, e.g. /0, got /{db[:20]!r}")
+
+
 def _host_port(s: str) -> tuple[str, int] | None:
     host, _, port = s.rpartition(":")
     return (host, int(port)) if host and port.isdigit() and 0 < int(port) < 65536 else None
@@ -191,7 +207,7 @@ def _host_port(s: str) -> tuple[str, int] | None:
 def connect(settings: SharedStateSettings) -> Any:
     """A redis-py client that fails fast: short timeouts, one bounded retry, no long backoff."""
     import redis
-    from redis.backoff import ConstantBackoff
+    from redis.backoff import ConstantBackoff, NoBackoff
     from redis.retry import Retry
 
     common: dict[str, Any] = {
@@ -208,8 +224,11 @@ def connect(settings: SharedStateSettings) -> Any:
         ssl = {"ssl": True, **tls} if settings.sentinel_tls else {}
         # Sentinels are asked without credentials (the ACL user is the master's): protect them by
         # network policy, as the Helm chart does.
+        # The Sentinels' own connections get the same timeouts and bounded retry (without a `retry`
+        # redis-py retries them with its default back-off: seconds per round on a paused Sentinel).
         sentinel = Sentinel(hosts, sentinel_kwargs={"socket_timeout": settings.timeout_s,
-                                                    "socket_connect_timeout": settings.timeout_s, **ssl})
+                                                    "socket_connect_timeout": settings.timeout_s,
+                                                    "retry": Retry(NoBackoff(), 0), **ssl})
         return sentinel.master_for(settings.sentinel_service, **common, **ssl)
     if tls:
         common.update(tls)
@@ -264,7 +283,7 @@ class SharedLearnedState:
 
     def __init__(self, settings: SharedStateSettings, *, half_life: float, confidence_count_scale: float = 8.0,
                  model: str, hash_domain: str, client_factory: Callable[[SharedStateSettings], Any] = connect,
-                 clock: Callable[[], float] = time.monotonic, max_journal: int = 1_000_000,
+                 clock: Callable[[], float] = time.monotonic, max_journal: int = 100_000,
                  replica_suffix: str = "") -> None:
         """`replica_suffix`: tells apart several schedulers of one pod (vLLM data-parallel ranks),
         each of which learns and writes on its own."""
@@ -297,7 +316,10 @@ class SharedLearnedState:
         self._gen: int | None = None
         self._flush_seq = 0
         self._peers: dict[str, _Peer] = {}
+        self._rejected: dict[str, tuple[int, int]] = {}   # entries refused, by (gen, seq): not fetched again
+        self._pacer = _Pacer()
         self._bad_seen: set[tuple[str, int, int]] = set()
+        self._reject_logged: dict[str, float] = {}
         self.problem: str | None = None           # misconfiguration or supersession: sharing stopped
         self.superseded = False                   # a newer process took this replica's name: for good
         self._problem_logged_at = -math.inf
@@ -364,7 +386,8 @@ class SharedLearnedState:
                 return
 
     def close(self, final_flush: bool = True, timeout: float | None = None) -> None:
-        """Stop the thread; with `final_flush`, write the last counts (bounded by the client timeouts)."""
+        """Stop the thread; with `final_flush`, write the last counts (bounded by the client timeouts).
+        Never raises (vLLM's shutdown goes on after it)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout if timeout is not None else 4 * self.settings.timeout_s + 1)
@@ -381,6 +404,18 @@ class SharedLearnedState:
     def sync_now(self, read: bool = True) -> bool:
         """One round: journal into own counts, flush them, read everyone's, publish the merge.
         Never raises; True when Redis answered."""
+        try:
+            return self._sync(read)
+        except Exception:  # noqa: BLE001 - a defect here must not reach vLLM: logged, counted, retried
+            self.stats["internal_errors"] += 1
+            if self.stats["internal_errors"] == 1:
+                log.exception("CacheScout shared state: a round failed unexpectedly; serving goes on, "
+                              "retrying each round (please report this)")
+            if self._failing_since is None:
+                self._failing_since = self.clock()
+            return False
+
+    def _sync(self, read: bool) -> bool:
         with self._lock:
             self._drain()
             if self.superseded or (self.problem is not None and self.clock() - self._problem_logged_at < 60):
@@ -416,8 +451,21 @@ class SharedLearnedState:
             shadow.replay(op)
             self._applied = seq
 
+    def _repair(self, store: StateStore) -> None:
+        """Delete the deployment's keys that hold another Redis type (someone else wrote them):
+        without that, every round would fail on them for good."""
+        for key, kind in store.repair(self.replica).items():
+            self.stats["repaired_keys"] += 1
+            log.warning("CacheScout shared state: deleted %s, which held a Redis %s instead of CacheScout's "
+                        "state (written by something else)", key[:200], kind)
+
     def _failed(self, exc: Exception) -> None:
         import redis.exceptions as rx
+        if isinstance(exc, rx.ResponseError) and "WRONGTYPE" in str(exc) and self._store is not None:
+            try:
+                self._repair(self._store)
+            except Exception:  # noqa: BLE001 - the next round tries again
+                pass
         self.breaker.failure()
         now = self.clock()
         text = str(exc)
@@ -502,15 +550,22 @@ class SharedLearnedState:
                 self.stats["refolded"] += 1
         if read:
             t0 = time.perf_counter()
-            view = store.read(skip=self.replica, known={n: p.key for n, p in self._peers.items()})
+            view = store.read(skip=self.replica, known={**self._rejected,
+                                                        **{n: p.key for n, p in self._peers.items()}})
+            if view.wrong_type:
+                self._repair(store)
             t1 = time.perf_counter()
             self._merge(view, store)
             self.timings.update(read_s=t1 - t0, merge_s=time.perf_counter() - t1)
 
     def _meta_value(self, field: str) -> str:
-        return {"schema": "v1", "half_life": repr(self.half_life), "hash_domain": self.hash_domain}.get(field, "?")
+        return {"schema": SCHEMA, "half_life": repr(self.half_life), "hash_domain": self.hash_domain}.get(field, "?")
 
     def _adopt_epoch(self, epoch: str) -> None:
+        if not _EPOCH.match(epoch):
+            # Replicas and `cachescout state reset` write 16 hex digits; a long or odd value is someone else's.
+            raise RuntimeError(f"the deployment's epoch {epoch[:40]!r} is not one CacheScout writes "
+                               "(`cachescout state reset` repairs it)")
         self._epoch = epoch
         self._my_epoch = epoch   # if Redis loses everything, recreate the same epoch, do not reset peers
 
@@ -537,6 +592,7 @@ class SharedLearnedState:
     def _merge(self, view: StoreView, store: StateStore) -> None:
         s = self.settings
         peers: dict[str, _Peer] = {}
+        rejected: dict[str, tuple[int, int]] = {}
         for entry in view.malformed:
             self._reject(entry, 0, 0, "bookkeeping fields are not integers")
         for b in view.replicas + view.departed:
@@ -549,17 +605,24 @@ class SharedLearnedState:
                 peers[b.name] = old
                 continue
             if not b.blob:
-                continue     # registered, nothing flushed yet
+                if self._rejected.get(b.name) == key:
+                    rejected[b.name] = key    # refused before and unchanged: not fetched, not decoded again
+                continue     # else registered, nothing flushed yet
             try:
-                snap = TransitionSnapshot.decode(b.blob)
+                with _collector_deferred():
+                    snap = TransitionSnapshot.decode(b.blob, self._pacer)
             except StateDecodeError as exc:
+                rejected[b.name] = key
                 self._reject(b.name, b.gen, b.seq, str(exc))
                 continue
             if snap.half_life != self.half_life:
+                rejected[b.name] = key
                 self._reject(b.name, b.gen, b.seq, f"half_life {snap.half_life} != {self.half_life}")
                 continue
             peers[b.name] = _Peer(key, snap.decayed_rows())
+            self._pacer()
         self._peers = peers
+        self._rejected = rejected
         # Fold in replicas that stopped flushing; drop departed counts that no longer weigh anything.
         fold_ms = s.fold_after_s * 1000
         for b in view.replicas:
@@ -569,7 +632,8 @@ class SharedLearnedState:
                     log.info("CacheScout shared state: replica %r silent for %.0f s, folded into departed",
                              b.name, (view.now_ms - b.at_ms) / 1000)
         half_ms = s.departed_half_life_s * 1000
-        pruned = store.prune_departed(int(view.now_ms - half_ms * math.log2(1 / _DEPARTED_FLOOR)))
+        pruned = store.prune_departed(int(view.now_ms - half_ms * math.log2(1 / _DEPARTED_FLOOR)),
+                                      view.now_ms + 86_400_000)
         self.stats["departed_pruned"] += pruned
         t0 = time.perf_counter()
         # Everyone's counts summed into one set of rows, then one learner built from them.
@@ -580,9 +644,11 @@ class SharedLearnedState:
             at = departed.get(name)
             w = 1.0 if at is None else departed_weight(view.now_ms - at, s.departed_half_life_s)
             if w > 0:
-                _renamed(peer.rows, local, w, drop_unknown=True, into=total)
+                _renamed(peer.rows, local, w, drop_unknown=True, into=total, tick=self._pacer)
         merged = TransitionLearner(self.half_life, self.confidence_count_scale)
-        merged.absorb(total)
+        for chunk in _chunks(total, 256):
+            merged.absorb(chunk)
+            self._pacer()
         self.peer_count = len(view.replicas)
         self.departed_count = len(view.departed)
         self.timings["build_s"] = time.perf_counter() - t0
@@ -590,6 +656,8 @@ class SharedLearnedState:
         self.stats["merges"] += 1
 
     def _reject(self, name: str, gen: int, seq: int, why: str) -> None:
+        """Count a refused entry; log it the first time, then at most every 10 minutes per entry
+        (an entry rewritten each round must not flood the log)."""
         tag = (name, gen, seq)
         if tag in self._bad_seen:
             return
@@ -597,8 +665,15 @@ class SharedLearnedState:
             self._bad_seen.clear()
         self._bad_seen.add(tag)
         self.stats["rejected_blobs"] += 1
-        log.warning("CacheScout shared state: ignored the entry of %r (gen %d, seq %d): %s", name, gen, seq,
-                    why[:200])
+        now = self.clock()
+        last = self._reject_logged.get(name)
+        if last is not None and now - last < _REJECT_LOG_INTERVAL_S:
+            return
+        if len(self._reject_logged) > 1_000:
+            self._reject_logged.clear()
+        self._reject_logged[name] = now
+        log.warning("CacheScout shared state: ignored the entry of %r (gen %d, seq %d): %s%s", name[:200], gen, seq,
+                    why[:200], "" if last is None else " (refused again since; counted in rejected_blobs)")
 
     # -- for metrics and `cachescout state` -------------------------------------------------------
     @property
@@ -621,16 +696,65 @@ class SharedLearnedState:
 Rows = dict[str, dict[str, float]]
 
 
+def _chunks(rows: Rows, n: int) -> list[Rows]:
+    items = list(rows.items())
+    return [dict(items[i:i + n]) for i in range(0, len(items), n)]
+
+
+@contextlib.contextmanager
+def _collector_deferred() -> Iterator[None]:
+    """Python's cyclic garbage collector off while a peer's blob is decoded, as it was before.
+
+    Decoding allocates many small containers; a collection they trigger runs in this thread and
+    stops every other one (vLLM's scheduler) for as long as it takes, which is the longest stall
+    left once the pacer yields. Deferred, it runs at the next allocation after the decode, from
+    the objects still alive then (a refused blob's are gone)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+class _Pacer:
+    """Hands the interpreter lock back during the background thread's long loops.
+
+    vLLM's scheduler runs in another thread of the same interpreter. A thread that computes holds
+    the lock until it is asked for it, which Python does only after its switch interval (5 ms), and
+    compiled or C code (the policy's mypyc-built learner, msgpack) never notices the request. So
+    every loop here that can run long calls the pacer, which sleeps briefly once `slice_s` of work
+    has passed: a waiting scheduler thread then gets the lock within about `slice_s`."""
+
+    __slots__ = ("slice_s", "pause_s", "_since", "pauses")
+
+    def __init__(self, slice_s: float = 0.001, pause_s: float = 0.0001) -> None:
+        self.slice_s = slice_s
+        self.pause_s = pause_s
+        self._since = time.perf_counter()
+        self.pauses = 0
+
+    def __call__(self) -> None:
+        now = time.perf_counter()
+        if now - self._since >= self.slice_s:
+            time.sleep(self.pause_s)
+            self.pauses += 1
+            self._since = time.perf_counter()
+
+
 def _renamed(rows: Mapping[str, Mapping[str, float]], names: Mapping[str, str], weight: float = 1.0,
-             drop_unknown: bool = False, into: Rows | None = None) -> Rows:
+             drop_unknown: bool = False, into: Rows | None = None, tick: Callable[[], None] | None = None) -> Rows:
     """Rows with agents renamed through `names` (absent: unchanged; two names onto one: summed).
 
     `drop_unknown`: leave out agents under a shared name this replica cannot map to one of its own
     yet (it has not seen that agent's anchor): no call here will ever carry that name, so its
     counts would only pull predictions towards an agent that is never observed. `into`: add to
-    these rows instead of new ones."""
+    these rows instead of new ones. `tick`: called once per row (see _Pacer)."""
     out: Rows = {} if into is None else into
     for src, dsts in rows.items():
+        if tick is not None:
+            tick()
         s = names.get(src, src)
         if drop_unknown and s.startswith(SHARED_NAME_PREFIX) and src not in names:
             continue

@@ -57,12 +57,14 @@ def collect(store: StateStore, departed_half_life_s: float) -> dict[str, Any]:
             row["rows"] = rows
             entries.append(row)
     rejected += [{"kind": "entry", "name": n, "why": "bookkeeping fields are not integers"} for n in view.malformed]
+    rejected += [{"kind": "key", "name": key, "why": f"holds a Redis {t}, not CacheScout's state (replicas delete it)"}
+                 for key, t in view.wrong_type.items()]
     matrix = {} if merged is None else {
         src: {dst: {"p": round(merged.probability(src, dst), 4), "count": round(c, 3)}
               for dst, c in sorted(dsts.items(), key=lambda kv: -kv[1])}
         for src, dsts in sorted(merged.decayed_rows().items())}
     return {"key_prefix": store.keys.prefix, "meta": view.meta, "server_time_ms": view.now_ms,
-            "entries": entries, "rejected": rejected, "merged": matrix}
+            "entries": entries, "rejected": rejected, "wrong_type": dict(view.wrong_type), "merged": matrix}
 
 
 def render(data: dict[str, Any], top: int = 4) -> str:
@@ -80,7 +82,7 @@ def render(data: dict[str, Any], top: int = 4) -> str:
                    f"{_age(e['flushed_ms_ago']):>10} {e['weight']:>6.3f} {e['transitions']:>12,.1f} "
                    f"{e['agents']:>6} {e['bytes']:>8,}")
     for r in data["rejected"]:
-        out.append(f"{r['name'][:36]:<36} REJECTED  {r['why'][:80]}")
+        out.append(f"{r['name'][-36:]:<36} REJECTED  {r['why'][:80]}")
     out.append("")
     out.append(f"merged transitions (the {top} likeliest per agent: probability, decayed count)")
     width = max([len(s) for s in data["merged"]] + [5])

@@ -4,11 +4,11 @@ All keys of one deployment and model share one hash tag, so they live in one Red
 every multi-key step runs as one Lua script, atomically, on a single Redis, behind Sentinel or on a
 Cluster alike:
 
-    cs:{<deployment>|<model>}:v1:meta            hash: schema, half_life, hash_domain, epoch
-    cs:{...}:v1:replicas                          zset: replica -> server time (ms) of its last flush
-    cs:{...}:v1:rep:<replica>                     hash: gen, seq, at, blob (msgpack TransitionSnapshot)
-    cs:{...}:v1:gen:<replica>                     int: generation of the replica's current life
-    cs:{...}:v1:departed / departed_at            hash + zset: blobs folded in from replicas gone away
+    cs:{<deployment>|<model>}:v2:meta            hash: schema, half_life, hash_domain, epoch
+    cs:{...}:v2:replicas                          zset: replica -> server time (ms) of its last flush
+    cs:{...}:v2:rep:<replica>                     hash: gen, seq, at, blob (msgpack TransitionSnapshot)
+    cs:{...}:v2:gen:<replica>                     int: generation of the replica's current life
+    cs:{...}:v2:departed / departed_at            hash + zset: blobs folded in from replicas gone away
 
 Why this shape:
 - Each replica writes only its own absolute (decayed) counts, so a retried flush rewrites the same
@@ -29,10 +29,11 @@ Nothing here catches Redis errors: the caller (shared_state.py) owns retries and
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
-SCHEMA = "v1"
+SCHEMA = "v2"   # v2: checksummed blobs (policy/state.py schema 2); v1 replicas and keys are never read
 _NAME = re.compile(r"^[A-Za-z0-9._:/@=+-]{1,128}$")
 NAME_RULE = "1-128 characters from letters, digits and . _ : / @ = + -"
 
@@ -46,7 +47,7 @@ end
 local m = redis.call('HMGET', KEYS[1], 'schema', 'half_life', 'hash_domain', 'epoch')
 local names = {'schema', 'half_life', 'hash_domain'}
 for i = 1, 3 do
-  if m[i] ~= ARGV[i] then return {'mismatch', names[i], tostring(m[i])} end
+  if m[i] ~= ARGV[i] then return {'mismatch', names[i], string.sub(tostring(m[i]), 1, 200)} end
 end
 return {'ok', m[4]}
 """
@@ -120,24 +121,76 @@ redis.call('INCR', KEYS[1])
 return 'folded'
 """
 
-# KEYS: meta, replicas, departed_at. ARGV: how many entries at most.
-# -> {server time ms, meta as flat list, replicas with scores, departed with scores}
+# KEYS: meta, replicas, departed_at, departed. ARGV: how many entries at most.
+# -> {server time ms, meta as flat list, replicas with scores, departed with scores, wrong-typed keys}
+# A key holding another Redis type (written by someone else) reads as empty and is named.
 _HEAD = """
 local t = redis.call('TIME')
 local n = tonumber(ARGV[1]) - 1
-return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), redis.call('HGETALL', KEYS[1]),
-        redis.call('ZRANGE', KEYS[2], 0, n, 'WITHSCORES'), redis.call('ZRANGE', KEYS[3], 0, n, 'WITHSCORES')}
+local wrong = {}
+local function typed(key, want)
+  local got = redis.call('TYPE', key)['ok']
+  if got == want or got == 'none' then return true end
+  table.insert(wrong, key)
+  table.insert(wrong, got)
+  return false
+end
+local meta, reps, deps = {}, {}, {}
+if typed(KEYS[1], 'hash') then
+  -- only the fields CacheScout writes, each cut short (a huge value must not travel every round)
+  local names = {'schema', 'half_life', 'hash_domain', 'epoch'}
+  local got = redis.call('HMGET', KEYS[1], unpack(names))
+  for i, v in ipairs(names) do
+    if got[i] then table.insert(meta, v); table.insert(meta, string.sub(got[i], 1, 256)) end
+  end
+end
+if typed(KEYS[2], 'zset') then reps = redis.call('ZRANGE', KEYS[2], 0, n, 'WITHSCORES') end
+if typed(KEYS[3], 'zset') then deps = redis.call('ZRANGE', KEYS[3], 0, n, 'WITHSCORES') end
+if not typed(KEYS[4], 'hash') then deps = {} end
+return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), meta, reps, deps, wrong}
 """
 
-# KEYS: departed, departed_at. ARGV: cutoff (ms). Drops departed blobs stamped before the cutoff.
+# KEYS: (key, type it must have) pairs flattened as KEYS only. ARGV: the types, in the same order.
+# Deletes each key that holds another Redis type: nothing CacheScout wrote is in it (every key of
+# the deployment's prefix is CacheScout's), and until it is gone every round fails on it.
+# -> flat list of {key, type it had} deleted
+_REPAIR = """
+local out = {}
+for i, key in ipairs(KEYS) do
+  local got = redis.call('TYPE', key)['ok']
+  if got ~= 'none' and got ~= ARGV[i] then
+    redis.call('DEL', key)
+    table.insert(out, key)
+    table.insert(out, got)
+  end
+end
+return out
+"""
+
+# KEYS: departed, departed_at. ARGV: cutoff (ms), latest plausible stamp (ms). Drops departed blobs
+# stamped before the cutoff, and any stamped after the latest (the stamps are the server's clock:
+# a later one, +inf included, was written by someone else and would never age out).
 _PRUNE = """
 local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[1])
+for _, f in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[2], '+inf')) do table.insert(old, f) end
 for _, f in ipairs(old) do
   redis.call('HDEL', KEYS[1], f)
   redis.call('ZREM', KEYS[2], f)
 end
 return #old
 """
+
+
+# KEYS: a hash. ARGV: field, first byte, last byte (1-based, inclusive). -> that part of the field, or nil
+_SLICE = """
+local v = redis.call('HGET', KEYS[1], ARGV[1])
+if not v then return false end
+return string.sub(v, tonumber(ARGV[2]), tonumber(ARGV[3]))
+"""
+
+# Blobs larger than this are fetched in parts of this size: parsing one large reply holds the
+# interpreter lock for milliseconds (about 15 ms for 4 MiB), long enough to stall vLLM's scheduler.
+FETCH_CHUNK_BYTES = 256 * 1024
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -158,7 +211,8 @@ class StoreView:
     meta: dict[str, str]
     replicas: list[StoredBlob]
     departed: list[StoredBlob]
-    malformed: list[str]   # entries whose bookkeeping fields were not integers (written by someone else)
+    malformed: list[str]   # entries whose bookkeeping fields or stamps are not integers (written by someone else)
+    wrong_type: dict[str, str] = dataclasses.field(default_factory=dict)   # key -> the Redis type it holds
 
 
 class StateKeys:
@@ -187,6 +241,15 @@ def _text(v: Any) -> str:
     return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
 
 
+def _score(v: Any) -> int | None:
+    """A sorted-set score as integer milliseconds; None when it is not finite."""
+    try:
+        f = float(_text(v))
+    except (TypeError, ValueError):
+        return None
+    return int(f) if math.isfinite(f) else None
+
+
 def _int(v: Any) -> int | None:
     try:
         return int(_text(v))
@@ -208,6 +271,8 @@ class StateStore:
         self._fold = client.register_script(_FOLD)
         self._prune = client.register_script(_PRUNE)
         self._head = client.register_script(_HEAD)
+        self._repair = client.register_script(_REPAIR)
+        self._slice = client.register_script(_SLICE)
 
     # -- one replica's own writes -------------------------------------------------------------------
     def ensure_meta(self, half_life: float, hash_domain: str, epoch: str) -> tuple[str, str, str]:
@@ -239,11 +304,12 @@ class StateStore:
         blobs whose (gen, seq) is in `known` are not fetched again (their `blob` is b"")."""
         k = self.keys
         # One script, so the server's clock and the lists come from the same node and moment.
-        now_ms, flat_meta, flat_reps, flat_deps = self._head(keys=[k.meta, k.replicas, k.departed_at],
-                                                             args=[self.max_replicas])
+        now_ms, flat_meta, flat_reps, flat_deps, flat_wrong = self._head(
+            keys=[k.meta, k.replicas, k.departed_at, k.departed], args=[self.max_replicas])
         meta = dict(zip(flat_meta[::2], flat_meta[1::2], strict=True))
-        reps = list(zip(flat_reps[::2], map(float, flat_reps[1::2]), strict=True))
-        deps = list(zip(flat_deps[::2], map(float, flat_deps[1::2]), strict=True))
+        wrong = {_text(a): _text(b) for a, b in zip(flat_wrong[::2], flat_wrong[1::2], strict=True)}
+        reps = list(zip(flat_reps[::2], flat_reps[1::2], strict=True))
+        deps = list(zip(flat_deps[::2], map(_score, flat_deps[1::2]), strict=True))
         names = [_text(n) for n, _ in reps if _text(n) != skip]
         fields = [_text(f) for f, _ in deps]
         p = self.r.pipeline(transaction=False)
@@ -256,7 +322,7 @@ class StateStore:
         got = p.execute(raise_on_error=False)
         malformed: list[str] = []
         replicas: list[StoredBlob] = []
-        want: list[tuple[str, str, str]] = []   # (kind, name, key) to fetch
+        want: list[tuple[str, str, str, int]] = []   # (kind, name, key, size) to fetch
         for i, n in enumerate(names):
             fields, size = got[2 * i], got[2 * i + 1]
             if isinstance(fields, Exception) or isinstance(size, Exception):
@@ -264,56 +330,81 @@ class StateStore:
                 continue
             (g, s, a), size = fields, int(size)
             if g is None:
-                continue   # left between the two reads
+                continue   # left between the two reads, or never registered (a name someone else added)
             gen, seq, at = _int(g), _int(s), _int(a)
             if gen is None or seq is None or at is None:
                 malformed.append(n)
                 continue
             replicas.append(StoredBlob(n, gen, seq, at, size, None))
             if 0 < size <= self.max_blob_bytes and (known or {}).get(n) != (gen, seq):
-                want.append(("rep", n, k.rep(n)))
+                want.append(("rep", n, k.rep(n), size))
         departed: list[StoredBlob] = []
         for (f, at), size in zip(deps, got[2 * len(names):], strict=True):
             f = _text(f)
             name, _, g = f.rpartition("#")
             gen = _int(g)
-            if not name or gen is None or isinstance(size, Exception):
+            if not name or gen is None or at is None or isinstance(size, Exception):
                 malformed.append(f)
                 continue
             departed.append(StoredBlob(f, gen, 0, int(at), int(size), None))
             if 0 < int(size) <= self.max_blob_bytes and (known or {}).get(f) != (gen, 0):
-                want.append(("dep", f, k.departed))
+                want.append(("dep", f, k.departed, int(size)))
         blobs: dict[str, bytes] = {}
-        if want:
+        small = [w for w in want if w[3] <= FETCH_CHUNK_BYTES]
+        if small:
             p = self.r.pipeline(transaction=False)
-            for kind, name, key in want:
+            for kind, name, key, _ in small:
                 p.hget(key, "blob" if kind == "rep" else name)
-            for (_kind, name, _), b in zip(want, p.execute(raise_on_error=False), strict=True):
+            for (_kind, name, _, _), b in zip(small, p.execute(raise_on_error=False), strict=True):
                 if isinstance(b, bytes):
                     blobs[name] = b
+        for kind, name, key, size in want:
+            if size > FETCH_CHUNK_BYTES:
+                # In parts; a blob rewritten meanwhile comes out torn, and its checksum refuses it.
+                field = "blob" if kind == "rep" else name
+                parts = [self._slice(keys=[key], args=[field, at + 1, at + FETCH_CHUNK_BYTES])
+                         for at in range(0, size, FETCH_CHUNK_BYTES)]
+                if all(isinstance(x, bytes) for x in parts):
+                    blobs[name] = b"".join(parts)
         def filled(x: StoredBlob) -> StoredBlob:
             # fetched bytes; b"" when nothing was flushed yet or the caller has it; None when too large
             return dataclasses.replace(x, blob=blobs.get(x.name, b"" if x.size <= self.max_blob_bytes else None))
 
         return StoreView(int(now_ms), {_text(a): _text(b) for a, b in meta.items()},
-                         [filled(x) for x in replicas], [filled(x) for x in departed], malformed)
+                         [filled(x) for x in replicas], [filled(x) for x in departed], malformed, wrong)
 
     def fold(self, name: str, gen: int, seq: int) -> str:
         k = self.keys
         return _text(self._fold(keys=[k.gen(name), k.rep(name), k.replicas, k.departed, k.departed_at],
                                 args=[name, gen, seq]))
 
-    def prune_departed(self, cutoff_ms: int) -> int:
-        return int(self._prune(keys=[self.keys.departed, self.keys.departed_at], args=[cutoff_ms]))
+    def prune_departed(self, cutoff_ms: int, latest_ms: int = 2**53) -> int:
+        return int(self._prune(keys=[self.keys.departed, self.keys.departed_at], args=[cutoff_ms, latest_ms]))
+
+    def repair(self, replica: str | None = None) -> dict[str, str]:
+        """Delete the deployment's keys (and `replica`'s own) that hold the wrong Redis type.
+        Returns key -> the type it held."""
+        k = self.keys
+        want = [(k.meta, "hash"), (k.replicas, "zset"), (k.departed, "hash"), (k.departed_at, "zset")]
+        if replica is not None:
+            want += [(k.rep(replica), "hash"), (k.gen(replica), "string")]
+        out = self._repair(keys=[key for key, _ in want], args=[t for _, t in want])
+        return {_text(a): _text(b) for a, b in zip(out[::2], out[1::2], strict=True)}
 
     # -- operator actions ---------------------------------------------------------------------
     def reset(self, new_epoch: str) -> int:
         """Forget the deployment's learned state. Replicas see the new epoch at their next flush and
         start their counts over (a stale flush is refused by the epoch check). Returns keys deleted."""
         k = self.keys
-        doomed = [key for key in self.r.scan_iter(match=_glob_escape(k.prefix) + "*", count=500)
-                  if _text(key) != k.meta and not _text(key).startswith(k.prefix + "gen:")]
-        n = 0
+        n = len(self.repair())
+        every = [_text(key) for key in self.r.scan_iter(match=_glob_escape(k.prefix) + "*", count=500)]
+        gens = [key for key in every if key.startswith(k.prefix + "gen:")]
+        p = self.r.pipeline(transaction=False)
+        for key in gens:
+            p.type(key)
+        # Generations stay (they fence old copies of replicas), unless someone wrote another type there.
+        bad = {key for key, t in zip(gens, p.execute(), strict=True) if _text(t) not in ("string", "none")}
+        doomed = [key for key in every if key != k.meta and (key not in gens or key in bad)]
         for i in range(0, len(doomed), 500):
             n += int(self.r.delete(*doomed[i:i + 500]))
         if self.r.exists(k.meta):

@@ -336,7 +336,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
             st = self._shared.stats
             now["state_flushes"] = st["flush_ok"]
             now["state_merges"] = st["merges"]
-            now["state_errors"] = st["errors"] + st["auth_errors"]
+            now["state_errors"] = st["errors"] + st["auth_errors"] + st["internal_errors"]
             now["state_rejected_blobs"] = st["rejected_blobs"]
         delta = self._since_reported(now)
         if self._shared is not None:
@@ -433,7 +433,10 @@ class CacheScoutConnector(KVConnectorBase_V1):
 def _model_name(vllm_config: VllmConfig) -> str:
     """The served model's name as a key part (characters Redis keys and hash tags can carry)."""
     mc = vllm_config.model_config
-    name = mc.served_model_name if isinstance(getattr(mc, "served_model_name", None), str) else mc.model
+    served = getattr(mc, "served_model_name", None)
+    if isinstance(served, (list, tuple)):      # `--served-model-name a b`: the first is the model's name
+        served = served[0] if served else None
+    name = served if isinstance(served, str) and served else mc.model
     return "".join(c if c.isalnum() or c in "._:/@=+-" else "-" for c in str(name))[:128] or "model"
 
 

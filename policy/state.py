@@ -1,16 +1,28 @@
-"""The learner's state as bytes: a schema-versioned msgpack snapshot that replicas exchange and merge.
+"""The learner's state as bytes: a schema-versioned, checksummed msgpack snapshot that replicas
+exchange and merge.
 
 Counts are stored as fixed-point integers (micro-counts), so merging is exact integer addition:
-commutative, associative, and a round trip through bytes gives back an equal snapshot. Decoding
-treats the bytes as hostile: size and shape limits are enforced before and during unpacking, every
-field is type-checked, and any violation raises StateDecodeError naming what was wrong.
+commutative, associative, and a round trip through bytes gives back an equal snapshot.
+
+Layout: the msgpack payload, then its CRC-32 (4 bytes, big-endian), so storage or transit
+corruption is refused instead of decoding into a different, valid-looking learner. The checksum
+is not a signature: whoever can write the keys can write a valid blob (docs/shared_state.md).
+
+Decoding treats the bytes as hostile. Expanding msgpack is where hostile bytes hurt: a 4 MiB run
+of empty arrays becomes ~280 MB of Python lists in one C call that holds the interpreter lock for
+a second. So every array's shape is checked the moment the unpacker has built it (`list_hook`),
+before anything encloses it: a blob that is not a snapshot is refused within one array of
+`max_array_len` elements, the cells accepted are capped, and `checkpoint` (called every
+`_CHECK_EVERY` arrays) lets a caller in a background thread hand the interpreter lock back.
+Every violation raises StateDecodeError naming what was wrong.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import zlib
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgpack
@@ -18,13 +30,18 @@ import msgpack
 from .errors import StateDecodeError
 from .transitions import TransitionLearner
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2               # 2: CRC-32 trailer
 KIND = "cachescout.transitions"
 COUNT_SCALE = 1_000_000          # one observed transition = 1e6 micro-counts
 MAX_BLOB_BYTES = 8 * 1024 * 1024  # a snapshot larger than this is refused unread
 MAX_AGENTS = 100_000
 MAX_AGENT_NAME = 256
+MAX_CELLS = 4 * MAX_AGENTS       # transitions in one snapshot
+MAX_ROW_CELLS = 16_384           # transitions out of one agent
 MAX_COUNT = 2**62               # far above any real decayed count; guards int overflow on merge
+_CRC_BYTES = 4
+_CHECK_EVERY = 512               # arrays built between two calls of `checkpoint`
+_FIELDS = frozenset({"kind", "schema", "half_life", "rows"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,76 +93,187 @@ class TransitionSnapshot:
             # Sorted so equal snapshots give equal bytes (a stable value to compare or hash).
             "rows": [[src, sorted(dsts.items())] for src, dsts in sorted(self.rows.items())],
         }
-        return msgpack.packb(payload, use_bin_type=True)
+        body = msgpack.packb(payload, use_bin_type=True)
+        return body + zlib.crc32(body).to_bytes(_CRC_BYTES, "big")
 
     @classmethod
-    def decode(cls, data: bytes) -> TransitionSnapshot:
+    def decode(cls, data: bytes, checkpoint: Callable[[], object] | None = None) -> TransitionSnapshot:
+        """The snapshot in `data`, or StateDecodeError. `checkpoint` is called now and then while
+        decoding (a background caller yields the interpreter lock there)."""
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise StateDecodeError(f"state must be bytes, got {type(data).__name__}")
         if len(data) > MAX_BLOB_BYTES:
             raise StateDecodeError(f"state is {len(data)} bytes, over the limit of {MAX_BLOB_BYTES}")
+        data = bytes(data)
+        if len(data) <= _CRC_BYTES:
+            raise StateDecodeError(f"state is {len(data)} bytes, too short to be a snapshot")
+        body = data[:-_CRC_BYTES]
+        if zlib.crc32(body) != int.from_bytes(data[-_CRC_BYTES:], "big"):
+            raise StateDecodeError("state checksum does not match (corrupted in storage or transit, or not "
+                                   f"a schema {SCHEMA_VERSION} snapshot)")
+        rows: dict[str, _Cells] = {}
+        if checkpoint is not None:
+            checkpoint()
         try:
-            # The limits bound what the unpacker may allocate, whatever the bytes claim.
-            payload = msgpack.unpackb(
-                bytes(data), raw=False, strict_map_key=True, use_list=True,
-                max_str_len=MAX_AGENT_NAME * 4,
-                max_bin_len=0, max_ext_len=0, max_array_len=MAX_AGENTS, max_map_len=64)
-        except (ValueError, TypeError, msgpack.UnpackException, msgpack.ExtraData, RecursionError) as exc:
-            raise StateDecodeError(f"state is not valid msgpack: {exc}") from None
-        return cls._from_payload(payload)
+            header = _read(body, rows, checkpoint)
+        except BaseException:
+            _release(rows, checkpoint)
+            raise
+        return cls._from_header(header, rows)
 
     @classmethod
-    def _from_payload(cls, payload: Any) -> TransitionSnapshot:
-        if not isinstance(payload, dict):
-            raise StateDecodeError(f"state must be a map, got {type(payload).__name__}")
-        if payload.get("kind") != KIND:
-            raise StateDecodeError(f"state field 'kind' must be {KIND!r}, got {payload.get('kind')!r}")
-        schema = payload.get("schema")
+    def _from_header(cls, header: dict[str, Any], rows: dict[str, _Cells]) -> TransitionSnapshot:
+        if header.get("kind") != KIND:
+            raise StateDecodeError(f"state field 'kind' must be {KIND!r}, got {header.get('kind')!r:.80}")
+        schema = header.get("schema")
         if schema != SCHEMA_VERSION:
-            raise StateDecodeError(f"state field 'schema' must be {SCHEMA_VERSION}, got {schema!r}")
-        half_life = payload.get("half_life")
+            raise StateDecodeError(f"state field 'schema' must be {SCHEMA_VERSION}, got {schema!r:.80}")
+        half_life = header.get("half_life")
         if (not isinstance(half_life, (int, float)) or isinstance(half_life, bool)
                 or not math.isfinite(half_life) or half_life <= 0):
-            raise StateDecodeError(f"state field 'half_life' must be a positive number, got {half_life!r}")
-        raw_rows = payload.get("rows")
-        if not isinstance(raw_rows, list):
-            raise StateDecodeError("state field 'rows' must be a list of [agent, [[agent, count], ...]]")
-        rows: dict[str, dict[str, int]] = {}
-        cells = 0
-        named: set[str] = set()   # agent names already checked (a name recurs in many rows)
-        for i, item in enumerate(raw_rows):
-            if not (isinstance(item, list) and len(item) == 2):
-                raise StateDecodeError(f"state rows[{i}] must be [agent, [[agent, count], ...]]")
-            src, dsts = item
-            _check_agent(src, f"rows[{i}][0]")
-            if src in rows:
-                raise StateDecodeError(f"state rows[{i}] repeats agent {src!r}")
-            if not isinstance(dsts, list):
-                raise StateDecodeError(f"state rows[{i}][1] must be a list of [agent, count]")
-            row: dict[str, int] = {}
-            # Per cell only type checks; messages are built when one fails (this loop is the cost of
-            # reading a peer's state: 10,000 cells for 1,000 agents).
-            for j, cell in enumerate(dsts):
-                if type(cell) is not list or len(cell) != 2:
-                    raise StateDecodeError(f"state rows[{i}][1][{j}] must be [agent, count]")
-                dst, count = cell
-                if type(dst) is not str or dst not in named:
-                    _check_agent(dst, f"rows[{i}][1][{j}][0]")
-                    named.add(dst)
-                if type(count) is not int or not 0 < count <= MAX_COUNT:
-                    raise StateDecodeError(
-                        f"state rows[{i}][1][{j}][1] must be an integer count in 1..{MAX_COUNT}, got {count!r}")
-                if dst in row:
-                    raise StateDecodeError(f"state rows[{i}][1][{j}] repeats agent {dst!r}")
-                row[dst] = count
-            cells += len(row)
-            if cells > MAX_AGENTS * 4:
-                raise StateDecodeError(f"state holds more than {MAX_AGENTS * 4} transitions")
-            rows[src] = row
+            raise StateDecodeError(f"state field 'half_life' must be a positive number, got {half_life!r:.80}")
+        if "rows" not in header:
+            raise StateDecodeError("state field 'rows' is missing")
         return cls(float(half_life), rows)
 
 
+def _read(body: bytes, rows: dict[str, _Cells], checkpoint: Callable[[], object] | None) -> dict[str, Any]:
+    """The header fields of `body`; its rows into `rows`, one at a time."""
+    shapes = _Shapes(checkpoint)
+    # The limits bound what the unpacker may allocate, whatever the bytes claim; the hooks refuse
+    # each array or map that is not part of a snapshot as soon as it is built; rows are unpacked
+    # one by one, so no single step builds (or frees) more than one row.
+    u = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, list_hook=shapes.array,
+                         object_pairs_hook=shapes.map, max_buffer_size=len(body), max_str_len=MAX_AGENT_NAME * 4,
+                         max_bin_len=0, max_ext_len=0, max_array_len=MAX_ROW_CELLS, max_map_len=len(_FIELDS))
+    u.feed(body)
+    header: dict[str, Any] = {}
+    try:
+        n = u.read_map_header()
+        if n > len(_FIELDS):
+            raise StateDecodeError(f"state header has {n} fields; a snapshot has {sorted(_FIELDS)}")
+        for _ in range(n):
+            key = u.unpack()
+            if key not in _FIELDS or key in header:
+                raise StateDecodeError(f"state header field {key!r:.80} is unknown or repeated "
+                                       f"(fields: {sorted(_FIELDS)})")
+            if key != "rows":
+                header[key] = u.unpack()
+                continue
+            header[key] = True
+            try:
+                count = u.read_array_header()
+            except ValueError:
+                raise StateDecodeError("state field 'rows' must be a list of [agent, [[agent, count], ...]]") from None
+            if count > MAX_AGENTS:
+                raise StateDecodeError(f"state has {count} rows, over the limit of {MAX_AGENTS}")
+            for i in range(count):
+                row = u.unpack()
+                if type(row) is not _Row:
+                    raise StateDecodeError(f"state rows[{i}] must be [agent, [[agent, count], ...]], got "
+                                           f"{_peek(row)}")
+                if row[0] in rows:
+                    raise StateDecodeError(f"state rows[{i}] repeats agent {row[0]!r:.80}")
+                rows[row[0]] = row[1]
+                if checkpoint is not None:
+                    checkpoint()
+        if u.tell() != len(body):
+            raise StateDecodeError(f"state has {len(body) - u.tell()} bytes after the snapshot")
+    except StateDecodeError:
+        raise
+    except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:
+        raise StateDecodeError(f"state is not valid msgpack: {str(exc)[:120] or type(exc).__name__}") from None
+    return header
+
+
+def _release(rows: dict[str, _Cells], checkpoint: Callable[[], object] | None) -> None:
+    """Free what a refused snapshot had built one row at a time, so that freeing it is no single
+    long step either."""
+    while rows:
+        rows.popitem()
+        if checkpoint is not None:
+            checkpoint()
+
+
+# -- shape checks while unpacking ----------------------------------------------------------------
+# The unpacker builds arrays innermost first, so each is classified from its items, which were
+# classified already: a cell [agent, count] becomes a tuple, a list of cells a _Cells, a row
+# [agent, cells] a _Row. Hostile bytes cannot make these types (the unpacker makes only lists,
+# dicts and scalars), so an array whose items are anything else is not part of a snapshot and
+# is refused before anything encloses it.
+
+class _Cells(dict):
+    __slots__ = ()
+
+
+class _Row(tuple):
+    __slots__ = ()
+
+
 def _check_agent(name: Any, where: str) -> None:
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_AGENT_NAME:
+    if type(name) is not str or not 0 < len(name) <= MAX_AGENT_NAME:
         raise StateDecodeError(f"state {where} must be an agent name of 1..{MAX_AGENT_NAME} characters, "
                                f"got {name!r:.80}")
+
+
+class _Shapes:
+    __slots__ = ("cells", "arrays", "checkpoint")
+
+    def __init__(self, checkpoint: Callable[[], object] | None) -> None:
+        self.cells = 0
+        self.arrays = 0
+        self.checkpoint = checkpoint
+
+    def array(self, items: list) -> Any:
+        self.arrays += 1
+        if self.checkpoint is not None and not self.arrays % _CHECK_EVERY:
+            self.checkpoint()
+        if len(items) == 2:
+            name, second = items
+            if type(name) is str:
+                kind = type(second)
+                if kind is int:                           # a cell: [agent, count]
+                    # (the common case, checked inline: it runs once per transition)
+                    if not (0 < second <= MAX_COUNT and 0 < len(name) <= MAX_AGENT_NAME):
+                        _check_agent(name, "transition target")
+                        raise StateDecodeError(f"state transition to {name!r:.80} must have an integer count "
+                                               f"in 1..{MAX_COUNT}, got {second!r}")
+                    self.cells += 1
+                    if self.cells > MAX_CELLS:
+                        raise StateDecodeError(f"state holds more than {MAX_CELLS} transitions")
+                    return (name, second)
+                if kind is _Cells or (kind is list and not second):   # a row: [agent, [[agent, count], ...]]
+                    _check_agent(name, "row agent")
+                    return _Row((name, second if second else _Cells()))
+                if kind is float or kind is bool:
+                    raise StateDecodeError(f"state transition to {name!r:.80} must have an integer count in "
+                                           f"1..{MAX_COUNT}, got {second!r}")
+        if not items:
+            return items                                  # an empty row, or no rows at all
+        first = type(items[0])
+        if first is tuple:                                # a row's cells
+            cells = _Cells(items)
+            # dict() of anything but pairs fails, so a size check finds both repeats and intruders
+            if len(cells) != len(items) or any(type(c) is not tuple for c in items):
+                raise StateDecodeError(_repeats_or_mixed(items, tuple, "transitions"))
+            return cells
+        raise StateDecodeError(f"state holds an array that is not a [agent, count] transition, a row "
+                               f"[agent, [[agent, count], ...]] or a list of either: {_peek(items)}")
+
+    def map(self, pairs: list[tuple[Any, Any]]) -> Any:
+        raise StateDecodeError(f"state holds a map inside its header (keys {_peek([k for k, _ in pairs])}); "
+                               "a snapshot has none")
+
+
+def _repeats_or_mixed(items: list, kind: type, what: str) -> str:
+    if all(type(x) is kind for x in items):
+        seen: set[str] = set()
+        for x in items:
+            if x[0] in seen:
+                return f"state {what} list repeats agent {x[0]!r:.80}"
+            seen.add(x[0])
+    return f"state {what} list mixes other values in: {_peek(items)}"
+
+
+def _peek(items: Any) -> str:
+    return f"{(items[:3] if isinstance(items, list) else items)!r:.120}"

@@ -445,3 +445,12 @@ def test_trace_sessions_without_think_times_and_conversations_replay_on_vllms_sc
     got = replay.run(sessions).summary()
     assert got["calls"] == sum(len(s.calls) for s in sessions) and got["gpu_token_hit_rate"] > 0.8
     assert replay.pool_all_free()
+
+
+@pytest.mark.parametrize("served,expected", [("m1", "m1"), (["a", "b"], "a"), ([], "org/path"), (None, "org/path")])
+def test_the_shared_state_keys_take_the_served_model_name(served, expected):
+    from types import SimpleNamespace
+
+    from cachescout.connector.vllm_connector import _model_name
+    cfg = SimpleNamespace(model_config=SimpleNamespace(served_model_name=served, model="org/path"))
+    assert _model_name(cfg) == expected

@@ -57,6 +57,16 @@ def sync(*pairs) -> None:
     ({"sentinels": ["nope"], "sentinel_service": "m"}, "shared_state.sentinels"),
     ({}, "give 'url'"),
     ({"url": "redis://h", "tls_ca_file": "/no/such/ca.pem"}, "shared_state.tls_ca_file"),
+    ({"url": "redis://127.0.0.1:65536/0"}, "invalid port"),
+    ({"url": "redis://127.0.0.1:abc/0"}, "invalid port"),
+    ({"url": "redis://127.0.0.1:0"}, "invalid port"),
+    ({"url": "redis://:6379"}, "names no host"),
+    ({"url": "redis://h:6379/zero"}, "database after the host"),
+    ({"url": "unix://"}, "socket's path"),
+    ({"url": "redis://h", "flush_interval_s": 10**400}, "shared_state.flush_interval_s"),
+    ({"url": "redis://h", "departed_half_life_s": float("nan")}, "shared_state.departed_half_life_s"),
+    ({"url": "redis://h", "timeout_s": None}, "shared_state.timeout_s"),
+    ({"url": "redis://h", "cluster": None}, "shared_state.cluster"),
 ])
 def test_bad_settings_fail_with_the_field_named(raw, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -489,3 +499,142 @@ def test_data_parallel_ranks_of_one_pod_write_apart(redis_server):
     sync(*ranks)
     assert not any(s.superseded for _, s in ranks)
     assert counts(ranks[0][0]) == counts(ranks[1][0]) == {("x", "rank0"): 2.0, ("x", "rank1"): 2.0}
+
+
+# -- hardening: what a broken or hostile Redis must not do --------------------------------------------
+def test_a_round_that_fails_unexpectedly_never_raises_and_the_thread_lives_on(redis_server, monkeypatch, caplog):
+    a = make(redis_server.url, "a", flush_interval_s=0.05, fold_after_s=1)
+    learn(a[0], [("x", "y")])
+
+    def broken(self, read):
+        raise ValueError("a defect")
+    monkeypatch.setattr(SharedLearnedState, "_round", broken)
+    monkeypatch.setattr(SharedLearnedState, "_failed", lambda self, exc: (_ for _ in ()).throw(KeyError(exc)))
+    with caplog.at_level(logging.ERROR, "cachescout.shared_state"):
+        assert a[1].sync_now() is False
+        a[1].start()
+        time.sleep(0.3)
+        assert a[1]._thread.is_alive()
+    assert a[1].stats["internal_errors"] >= 3 and a[1].status()["degraded"] == 1
+    assert sum("failed unexpectedly" in r.message for r in caplog.records) == 1   # logged once
+    a[1].close()                                       # never raises: vLLM's shutdown goes on
+    assert len(a[1]._ops) == 0 or a[1]._ops.maxlen <= 100_000
+
+
+@pytest.mark.parametrize("key", ["meta", "replicas", "departed", "departed_at", "gen", "rep"])
+def test_a_key_of_the_wrong_type_is_repaired_and_sharing_resumes(redis_server, key, caplog):
+    a, b = make(redis_server.url, "a"), make(redis_server.url, "b")
+    learn(a[0], [("x", "y")], 2)
+    learn(b[0], [("x", "z")], 1)
+    sync(a, b)
+    k = a[1].keys
+    target = {"meta": k.meta, "replicas": k.replicas, "departed": k.departed, "departed_at": k.departed_at,
+              "gen": k.gen("a"), "rep": k.rep("a")}[key]
+    r = redis.Redis.from_url(redis_server.url)
+    r.delete(target)
+    r.rpush(target, "someone", "else's")              # a list where CacheScout keeps a hash/zset/string
+    from cachescout.connector.state_admin import collect
+    shown = collect(a[1]._store, 3600.0)             # `state show` works, and names the bad key
+    if key == "rep":
+        assert any(x["name"] == "a" for x in shown["rejected"])
+    elif key != "gen":                               # (a generation is not part of what show reads)
+        assert shown["wrong_type"] == {target: "list"}
+    with caplog.at_level(logging.WARNING, "cachescout.shared_state"):
+        for _ in range(3):
+            a[1].sync_now()
+            b[1].sync_now()
+    assert a[1].stats["repaired_keys"] + b[1].stats["repaired_keys"] >= 1
+    assert any("held a Redis list" in rec.message for rec in caplog.records)
+    time.sleep(0.6)                                   # past a breaker cool-down, if one opened
+    sync(a, b)
+    a[0].learner.update("x", "y")
+    sync(a, b)
+    assert counts(b[0]) == {("x", "y"): 3.0, ("x", "z"): 1.0}
+    assert a[1].status()["degraded"] == 0
+    r.close()
+
+
+def test_state_reset_repairs_wrong_typed_keys(redis_server):
+    a = make(redis_server.url, "a")
+    learn(a[0], [("x", "y")])
+    sync(a)
+    k = a[1].keys
+    r = redis.Redis.from_url(redis_server.url)
+    for key in (k.meta, k.gen("a"), k.gen("ghost")):
+        r.delete(key)
+        r.sadd(key, "x")
+    a[1]._store.reset("fresh2")
+    assert all(r.type(key) in (b"none", b"hash", b"string") for key in (k.meta, k.gen("a"), k.gen("ghost")))
+    time.sleep(0.6)
+    for _ in range(3):
+        a[1].sync_now()
+    assert a[1].sync_now() and a[1].status()["degraded"] == 0
+    r.close()
+
+
+@pytest.mark.parametrize("score", ["+inf", "-inf"])
+def test_a_departed_entry_stamped_at_infinity_is_dropped(redis_server, score):
+    a = make(redis_server.url, "a")
+    learn(a[0], [("x", "y")])
+    sync(a)
+    k = a[1].keys
+    r = redis.Redis.from_url(redis_server.url)
+    r.hset(k.departed, "ghost#1", b"junk")
+    r.execute_command("ZADD", k.departed_at, score, "ghost#1")
+    from cachescout.connector.state_admin import collect
+    assert any(x["name"] == "ghost#1" for x in collect(a[1]._store, 3600.0)["rejected"])
+    assert a[1].sync_now() and a[1].sync_now()
+    assert r.zscore(k.departed_at, "ghost#1") is None and not r.hexists(k.departed, "ghost#1")
+    r.close()
+
+
+def test_a_huge_meta_value_stays_out_of_logs_and_status(redis_server, caplog):
+    r = redis.Redis.from_url(redis_server.url)
+    keys = StateKeys("test", "m")
+    r.hset(keys.meta, mapping={"schema": "v2", "half_life": "x" * 50_000_000, "hash_domain": "d0", "epoch": "e"})
+    a = make(redis_server.url, "a", timeout_s=5.0)    # (moving 50 MB takes a while on this machine)
+    with caplog.at_level(logging.WARNING, "cachescout.shared_state"):
+        assert not a[1].sync_now()
+    assert a[1].problem is not None and "half_life" in a[1].problem and len(a[1].problem) < 1000
+    assert max(len(rec.getMessage()) for rec in caplog.records) < 2000
+    r.close()
+
+
+def test_a_refused_entry_is_not_fetched_or_decoded_again_until_it_changes(redis_server, monkeypatch):
+    from cachescout.connector import shared_state as module
+    a = make(redis_server.url, "a")
+    learn(a[0], [("x", "y")])
+    sync(a)
+    k = a[1].keys
+    r = redis.Redis.from_url(redis_server.url)
+    now = int(time.time() * 1000)
+    r.hset(k.rep("evil"), mapping={"gen": 1, "seq": 1, "at": now, "blob": b"\x90" * 300_000})
+    r.zadd(k.replicas, {"evil": now})
+    decoded = []
+    real = module.TransitionSnapshot.decode
+    monkeypatch.setattr(module.TransitionSnapshot, "decode",
+                        staticmethod(lambda blob, checkpoint=None: decoded.append(len(blob)) or real(blob, checkpoint)))
+    for _ in range(3):
+        assert a[1].sync_now()
+    assert decoded == [300_000] and a[1].stats["rejected_blobs"] == 1
+    r.hset(k.rep("evil"), "seq", 2)                  # rewritten: looked at again, once
+    for _ in range(2):
+        assert a[1].sync_now()
+    assert len(decoded) == 2 and a[1].stats["rejected_blobs"] == 2
+    r.close()
+
+
+def test_an_entry_rewritten_every_round_is_logged_once_and_counted_each_time(redis_server, caplog):
+    a = make(redis_server.url, "a")
+    sync(a)
+    k = a[1].keys
+    r = redis.Redis.from_url(redis_server.url)
+    with caplog.at_level(logging.WARNING, "cachescout.shared_state"):
+        for seq in range(1, 6):
+            now = int(time.time() * 1000)
+            r.hset(k.rep("evil"), mapping={"gen": 1, "seq": seq, "at": now, "blob": b"junk"})
+            r.zadd(k.replicas, {"evil": now})
+            assert a[1].sync_now()
+    assert a[1].stats["rejected_blobs"] == 5
+    assert sum("'evil'" in rec.getMessage() for rec in caplog.records) == 1
+    r.close()

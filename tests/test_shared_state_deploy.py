@@ -16,7 +16,8 @@ from cachescout.policy import CacheScoutPolicy, PolicyConfig
 
 # The least-privilege rule documented in docs/usage.md (shared state), for deployment "prod".
 ACL_COMMANDS = ("-@all +evalsha +eval +script|load +client|setname +ping +time +get +set +incr "
-                "+del +exists +pexpire +hget +hmget +hset +hdel +hgetall +hstrlen +zadd +zrem +zrange +zrangebyscore")
+                "+del +exists +pexpire +hget +hmget +hset +hdel +hgetall +hstrlen +type +zadd +zrem +zrange "
+                "+zrangebyscore")
 
 
 def pair(settings: dict, name: str):
@@ -129,10 +130,64 @@ def test_through_sentinel(tmp_path, monkeypatch, mode):
             settings |= {"sentinel_tls": True, "tls_ca_file": str(tmp_path / "ca.crt")}
         pa, _ = exchange(settings)
         assert set(pa) == {"y", "z"}
-        assert redis.Redis(host="127.0.0.1", port=master.port, **tls_kw).exists("cs:{prod|m}:v1:meta")
+        assert redis.Redis(host="127.0.0.1", port=master.port, **tls_kw).exists("cs:{prod|m}:v2:meta")
     finally:
         proc.terminate()
         proc.wait(5)
+        master.stop()
+
+
+def test_paused_sentinels_cost_what_the_timeouts_allow(tmp_path):
+    """Sentinel connections are built from timeout_s and retries like every other client: with
+    every Sentinel SIGSTOPped a round fails within about a second, and close() does not hang."""
+    import signal
+    need_redis()
+    master = RedisServer()
+    ports = [free_port(), free_port()]
+    procs = []
+    try:
+        for i, port in enumerate(ports):
+            conf = tmp_path / f"sentinel{i}.conf"
+            conf.write_text(f"bind 127.0.0.1\nport {port}\ndir {tmp_path}\n"
+                            f"sentinel monitor primary 127.0.0.1 {master.port} 1\n")
+            procs.append(subprocess.Popen(["redis-server", str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL))
+        for port in ports:
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    if redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5).execute_command(
+                            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", "primary"):
+                        break
+                except redis.RedisError:
+                    pass
+                assert time.monotonic() < deadline, "sentinel did not start"
+                time.sleep(0.1)
+        settings = {"sentinels": [f"127.0.0.1:{p}" for p in ports], "sentinel_service": "primary",
+                    "timeout_s": 0.25, "retries": 1}
+        policy, shared = pair(settings, "a")
+        policy.learner.update("x", "y")
+        assert shared.sync_now(), shared.status()
+        master.pause()                     # the master gone quiet: the pool asks the Sentinels again
+        for proc in procs:
+            proc.send_signal(signal.SIGSTOP)
+        t0 = time.perf_counter()
+        assert not shared.sync_now()
+        assert time.perf_counter() - t0 < 3.0
+        fresh = pair(settings, "b")[1]
+        t0 = time.perf_counter()
+        assert not fresh.sync_now()
+        assert time.perf_counter() - t0 < 3.0
+        t0 = time.perf_counter()
+        shared.close()
+        fresh.close()
+        assert time.perf_counter() - t0 < 6.0
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+            proc.wait(5)
+        master.resume()
         master.stop()
 
 

@@ -1,10 +1,13 @@
+import random
 import tracemalloc
+import zlib
 
 import msgpack
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cachescout.bench.state_bench import hostile_blobs
 from cachescout.policy import StateDecodeError, TransitionLearner, TransitionSnapshot
 from cachescout.policy.state import MAX_BLOB_BYTES
 
@@ -43,18 +46,25 @@ def test_merge_sums_decayed_counts_and_feeds_a_learner():
         merged.merge(TransitionSnapshot(50.0, {}))
 
 
+def _sealed(body: bytes) -> bytes:
+    """Bytes with the CRC-32 trailer a snapshot carries (the checks after the checksum's)."""
+    return body + zlib.crc32(body).to_bytes(4, "big")
+
+
 def _payload(**over):
-    base = {"kind": "cachescout.transitions", "schema": 1, "half_life": 200.0, "rows": [["a", [["b", 5]]]]}
+    base = {"kind": "cachescout.transitions", "schema": 2, "half_life": 200.0, "rows": [["a", [["b", 5]]]]}
     base.update(over)
-    return msgpack.packb(base)
+    return _sealed(msgpack.packb(base))
 
 
 @pytest.mark.parametrize("blob,needle", [
-    (b"", "not valid msgpack"),
-    (b"\xc1", "not valid msgpack"),
-    (msgpack.packb([1, 2]), "must be a map"),
+    (b"", "too short"),
+    (b"\x00\x00\x00\x00", "too short"),
+    (msgpack.packb({"kind": "cachescout.transitions"}), "checksum"),
+    (_sealed(b"\xc1"), "not valid msgpack"),
+    (_sealed(msgpack.packb([1, 2])), "not valid msgpack"),
     (_payload(kind="other"), "'kind'"),
-    (_payload(schema=99), "'schema' must be 1"),
+    (_payload(schema=1), "'schema' must be 2"),
     (_payload(half_life=-1.0), "'half_life'"),
     (_payload(half_life=float("nan")), "'half_life'"),
     (_payload(rows={"a": 1}), "'rows' must be a list"),
@@ -63,13 +73,21 @@ def _payload(**over):
     (_payload(rows=[["a", [["b", True]]]]), "integer count"),
     (_payload(rows=[["", [["b", 1]]]]), "agent name"),
     (_payload(rows=[["a" * 300, [["b", 1]]]]), "agent name"),
-    (_payload(rows=[[7, [["b", 1]]]]), "agent name"),
+    (_payload(rows=[[7, [["b", 1]]]]), "not a [agent, count]"),
     (_payload(rows=[["a", [["b", 1]]], ["a", []]]), "repeats agent"),
     (_payload(rows=[["a", [["b", 1], ["b", 2]]]]), "repeats agent"),
-    (_payload(rows=[["a"]]), "rows[0]"),
-    (msgpack.packb({"kind": "cachescout.transitions", "schema": 1, "half_life": 1.0, "rows": [],
-                    "x": b"\x00" * 10}), "not valid msgpack"),  # binary fields are refused outright
-    (_payload() + b"\x00", "not valid msgpack"),
+    (_payload(rows=[["a"]]), "not a [agent, count]"),
+    (_payload(rows=[["a", [["b", 1]]], ["c", 5]]), "rows[1] must be"),
+    (_payload(rows=[["a", [["b", 1], ["c", [["d", 1]]]]]]), "mixes other values"),
+    (_payload(rows=[["a", [["b", {"c": 1}]]]]), "holds a map"),
+    (_payload(rows="x"), "'rows' must be a list"),
+    (_payload(extra=1), "header has 5 fields"),
+    (_sealed(msgpack.packb({"kind": "cachescout.transitions", "x": 1})), "unknown or repeated"),
+    (_sealed(msgpack.packb({"kind": "cachescout.transitions", "schema": 2, "half_life": 1.0})), "'rows' is missing"),
+    (_sealed(msgpack.packb({"kind": "cachescout.transitions", "schema": 2, "half_life": 1.0, "rows": [],
+                            "x": b"\x00" * 10})), "header has 5 fields"),
+    (_sealed(msgpack.packb({"kind": "cachescout.transitions", "rows": b"\x00" * 10})), "'rows' must be a list"),
+    (_sealed(msgpack.packb({"kind": "cachescout.transitions"}) + b"\x00"), "bytes after the snapshot"),
     ("text", "must be bytes"),
 ])
 def test_bad_bytes_are_rejected_with_a_clear_error(blob, needle):
@@ -78,11 +96,49 @@ def test_bad_bytes_are_rejected_with_a_clear_error(blob, needle):
     assert needle in str(err.value)
 
 
+def test_every_single_bit_flip_is_refused():
+    learner = TransitionLearner(200)
+    for i in range(40):
+        learner.update(f"agent-{i % 7}", f"agent-{(i * 3) % 5}")
+    blob = TransitionSnapshot.of(learner).encode()
+    rng = random.Random(7)
+    for bit in rng.sample(range(len(blob) * 8), min(3000, len(blob) * 8)):
+        flipped = bytearray(blob)
+        flipped[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(StateDecodeError):
+            TransitionSnapshot.decode(bytes(flipped))
+
+
+def test_hostile_shapes_are_refused_before_they_expand():
+    # Bounded memory: every shape fails within one array of the unpacker's limit, far below what
+    # its bytes would expand to (a 4 MiB run of empty arrays is ~280 MB of Python lists).
+    for name, blob in hostile_blobs(4 * 1024 * 1024).items():
+        tracemalloc.start()
+        with pytest.raises(StateDecodeError):
+            TransitionSnapshot.decode(blob)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < 40 * 1024 * 1024, (name, peak)
+
+
+def test_decoding_calls_the_checkpoint_so_a_caller_can_yield():
+    calls = []
+    learner = TransitionLearner(200)
+    for i in range(3000):
+        learner.update(f"a{i % 60}", f"a{(i * 7) % 61}")
+    blob = TransitionSnapshot.of(learner).encode()
+    assert TransitionSnapshot.decode(blob, lambda: calls.append(1)) == TransitionSnapshot.decode(blob)
+    assert len(calls) >= 2
+    calls.clear()
+    with pytest.raises(StateDecodeError):
+        TransitionSnapshot.decode(hostile_blobs(1024 * 1024)["empty arrays"], lambda: calls.append(1))
+
+
 def test_hostile_headers_do_not_allocate_what_they_claim():
     # A map/array header announcing 2**32-1 entries, followed by nothing.
-    hostile = [b"\xdf\xff\xff\xff\xff", b"\xdd\xff\xff\xff\xff", b"\xdb\xff\xff\xff\xff",
-               b"\x91" * 100_000,  # deep nesting
-               _payload(rows=[["a", [["b", 1]] * 1]] * 1)[:-3]]
+    hostile = [_sealed(b"\xdf\xff\xff\xff\xff"), _sealed(b"\xdd\xff\xff\xff\xff"),
+               _sealed(b"\xdb\xff\xff\xff\xff"), _sealed(b"\x91" * 100_000),  # deep nesting
+               _payload(rows=[["a", [["b", 1]] * 1]] * 1)[:-7]]
     tracemalloc.start()
     for blob in hostile:
         with pytest.raises(StateDecodeError):
