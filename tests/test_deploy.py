@@ -136,6 +136,30 @@ def test_a_values_file_with_a_wrong_type_is_rejected_by_the_schema(tmp_path):
         assert out.returncode != 0 and where in out.stderr, (values, out.stderr[-500:])
 
 
+@pytest.mark.parametrize("values,needle", [
+    ({"stateRedis": {"sentinel": {"enabled": True, "replicas": 3, "quorum": 4}}}, "quorum (4) must be at most"),
+    ({"vllm": {"pythonHashSeed": "4294967296"}}, "pythonHashSeed must be 0-4294967295"),
+    ({"vllm": {"pythonHashSeed": "99999999999999999999"}}, "/vllm/pythonHashSeed"),
+    ({"stateRedis": {"enabled": False}}, "sharedState.enabled needs stateRedis.enabled"),
+    ({"kvRedis": {"enabled": False}}, "lmcache.enabled needs kvRedis.enabled"),
+    ({"fullnameOverride": "My_Release"}, "/fullnameOverride"),
+    ({"nameOverride": "-x"}, "/nameOverride"),
+    ({"auth": {"existingSecret": "Bad Secret"}}, "/auth/existingSecret"),
+])
+def test_values_that_would_render_what_cannot_run_are_refused(values, needle):
+    out = render([], set_json=json.dumps(values), ok=False)
+    assert out.returncode != 0 and needle in out.stderr, (values, out.stderr[-500:])
+
+
+def test_the_refusals_leave_working_combinations_alone():
+    for values in ({"stateRedis": {"sentinel": {"enabled": True, "replicas": 3, "quorum": 3}}},
+                   {"vllm": {"pythonHashSeed": "4294967295"}},
+                   {"stateRedis": {"enabled": False}, "cachescout": {"sharedState": {"enabled": False}}},
+                   {"kvRedis": {"enabled": False}, "lmcache": {"enabled": False}},
+                   {"fullnameOverride": "cs-prod", "auth": {"existingSecret": "cs.secrets"}}):
+        render([], set_json=json.dumps(values))
+
+
 def test_plain_manifests_are_the_chart_rendered(tmp_path):
     committed = (DEPLOY / "manifests" / "cachescout.yaml").read_text()
     code = ("import sys; sys.path.insert(0, sys.argv[1]); import render; "

@@ -61,7 +61,7 @@ checkov.io/skip2: CKV_K8S_15=IfNotPresent with pinned images; Always would pull 
 
 {{/* The Redis ACL rule of CacheScout's replicas (docs/shared_state.md), limited to this release's keys. */}}
 {{- define "cachescout.stateAcl" -}}
-resetkeys ~cs:{{ "{" }}{{ default .Release.Name .Values.cachescout.sharedState.deployment }}|* resetchannels -@all +evalsha +eval +script|load +client|setname +ping +time +get +set +incr +del +exists +pexpire +hget +hmget +hset +hdel +hgetall +hstrlen +zadd +zrem +zrange +zrangebyscore
+resetkeys ~cs:{{ "{" }}{{ default .Release.Name .Values.cachescout.sharedState.deployment }}|* resetchannels -@all +evalsha +eval +script|load +client|setname +ping +time +get +set +incr +del +exists +pexpire +hget +hmget +hset +hdel +hgetall +hstrlen +type +zadd +zrem +zrange +zrangebyscore
 {{- end -}}
 
 {{/* LMCache's Redis commands (redis-py GET/SET/EXISTS on its chunk keys). */}}
@@ -194,3 +194,22 @@ livenessProbe:
     secretName: {{ .Values.tls.secretName }}
     defaultMode: 0440
 {{- end -}}
+
+{{/*
+Combinations the schema cannot express and that would render objects which cannot run.
+*/}}
+{{- define "cachescout.validate" -}}
+{{- $s := .Values.stateRedis.sentinel }}
+{{- if and .Values.stateRedis.enabled $s.enabled (gt (int $s.quorum) (int $s.replicas)) }}
+{{- fail (printf "stateRedis.sentinel.quorum (%d) must be at most stateRedis.sentinel.replicas (%d): no failover could ever reach it" (int $s.quorum) (int $s.replicas)) }}
+{{- end }}
+{{- if gt (atoi .Values.vllm.pythonHashSeed) 4294967295 }}
+{{- fail (printf "vllm.pythonHashSeed must be 0-4294967295 (Python refuses %s at start-up)" .Values.vllm.pythonHashSeed) }}
+{{- end }}
+{{- if and .Values.cachescout.sharedState.enabled (not .Values.stateRedis.enabled) }}
+{{- fail "cachescout.sharedState.enabled needs stateRedis.enabled (the shared state lives there)" }}
+{{- end }}
+{{- if and .Values.lmcache.enabled (not .Values.kvRedis.enabled) }}
+{{- fail "lmcache.enabled needs kvRedis.enabled (LMCache's Redis tier lives there)" }}
+{{- end }}
+{{- end }}
