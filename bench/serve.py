@@ -184,8 +184,10 @@ def kv_bytes_per_token(options: ServeOptions) -> int:
     return 2 * int(cfg["num_hidden_layers"]) * int(kv_heads) * int(head_dim) * _DTYPE_BYTES[options.dtype]
 
 
-def server_settings(config: str, options: ServeOptions, redis_url: str | None, work: Path) -> tuple[list[str], dict]:
-    """The server's extra arguments and environment for one configuration."""
+def server_settings(config: str, options: ServeOptions, redis_url: str | None, work: Path,
+                    connector_extra: dict | None = None) -> tuple[list[str], dict]:
+    """The server's extra arguments and environment for one configuration; `connector_extra`:
+    CacheScout's kv_connector_extra_config (e.g. a shared_state)."""
     from cachescout.connector.deploy_config import connector_entry, kv_transfer_config, lmcache_yaml
 
     args: list[str] = []
@@ -205,9 +207,9 @@ def server_settings(config: str, options: ServeOptions, redis_url: str | None, w
         kvt: dict | None = {"kv_connector": "LMCacheCpuConnector", "kv_connector_module_path":
                             "cachescout.connector.lmcache_cpu", "kv_role": "kv_both"}
     elif config == "cachescout":
-        kvt = connector_entry({})
+        kvt = connector_entry(dict(connector_extra or {}))
     elif config == "cachescout-lmcache":
-        kvt = kv_transfer_config({}, lmcache=True)
+        kvt = kv_transfer_config(dict(connector_extra or {}), lmcache=True)
     else:
         kvt = None
     if kvt is not None:
@@ -219,11 +221,13 @@ class Server:
     """One vLLM OpenAI-compatible server on 127.0.0.1, in its own process group."""
 
     def __init__(self, config: str, options: ServeOptions, max_model_len: int, work: Path,
-                 redis_url: str | None, extra_args: Sequence[str] = ()) -> None:
+                 redis_url: str | None, extra_args: Sequence[str] = (), connector_extra: dict | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        extra, env = server_settings(config, options, redis_url, work)
+        extra, settings_env = server_settings(config, options, redis_url, work, connector_extra)
+        env = {**settings_env, **(env or {})}
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", options.model,
                "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(self.port),
                "--block-size", str(BLOCK_SIZE), "--num-gpu-blocks-override", str(options.gpu_blocks),
