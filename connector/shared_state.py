@@ -708,7 +708,10 @@ def _collector_deferred() -> Iterator[None]:
     Decoding allocates many small containers; a collection they trigger runs in this thread and
     stops every other one (vLLM's scheduler) for as long as it takes, which is the longest stall
     left once the pacer yields. Deferred, it runs at the next allocation after the decode, from
-    the objects still alive then (a refused blob's are gone)."""
+    the objects still alive then (a refused blob's are gone). The switch is process-wide: code
+    that turns the collector off meanwhile would find it on again afterwards. vLLM turns it off
+    only while capturing CUDA graphs, which is done before the scheduler, and so this thread, starts;
+    a collector already off is left off."""
     was = gc.isenabled()
     gc.disable()
     try:

@@ -28,6 +28,20 @@ def pair(settings: dict, name: str):
     return policy, shared
 
 
+def wait_for_sentinel(port: int, **tls_kw) -> None:
+    """Until the Sentinel on `port` names the master "primary" (10 s at most)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            if redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, **tls_kw).execute_command(
+                    "SENTINEL", "GET-MASTER-ADDR-BY-NAME", "primary"):
+                return
+        except redis.RedisError:
+            pass
+        assert time.monotonic() < deadline, "sentinel did not start"
+        time.sleep(0.1)
+
+
 def exchange(settings: dict) -> tuple[dict, dict]:
     """Two replicas on `settings` each learn one transition and must end up with both."""
     (pa, sa), (pb, sb) = pair(settings, "a"), pair(settings, "b")
@@ -109,16 +123,7 @@ def test_through_sentinel(tmp_path, monkeypatch, mode):
                             stderr=subprocess.DEVNULL)
     tls_kw = {"ssl": True, "ssl_ca_certs": str(tmp_path / "ca.crt")} if tls else {}
     try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                if redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5, **tls_kw).execute_command(
-                        "SENTINEL", "GET-MASTER-ADDR-BY-NAME", "primary"):
-                    break
-            except redis.RedisError:
-                pass
-            assert time.monotonic() < deadline, "sentinel did not start"
-            time.sleep(0.1)
+        wait_for_sentinel(port, **tls_kw)
         settings: dict = {"sentinels": [f"127.0.0.1:{port}"], "sentinel_service": "primary"}
         if mode == "acl-user":
             admin = redis.Redis(host="127.0.0.1", port=master.port)
@@ -153,16 +158,7 @@ def test_paused_sentinels_cost_what_the_timeouts_allow(tmp_path):
             procs.append(subprocess.Popen(["redis-server", str(conf), "--sentinel"], stdout=subprocess.DEVNULL,
                                           stderr=subprocess.DEVNULL))
         for port in ports:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    if redis.Redis(host="127.0.0.1", port=port, socket_timeout=0.5).execute_command(
-                            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", "primary"):
-                        break
-                except redis.RedisError:
-                    pass
-                assert time.monotonic() < deadline, "sentinel did not start"
-                time.sleep(0.1)
+            wait_for_sentinel(port)
         settings = {"sentinels": [f"127.0.0.1:{p}" for p in ports], "sentinel_service": "primary",
                     "timeout_s": 0.25, "retries": 1}
         policy, shared = pair(settings, "a")

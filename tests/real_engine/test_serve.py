@@ -19,7 +19,7 @@ def report(tmp_path_factory):
     cmd = [sys.executable, "-m", "cachescout.bench.cli", "bench", "--engine", "serve", "--workloads", "gsm8k",
            "--sessions", "12", "--serve-max-output", "16", "--json", str(out / "serve.json"),
            "--plots", str(out / "serve.png"), "--serve-logs", str(out / "logs"), "--quiet"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)   # 4 servers: 1-2 min each
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (out / "serve.png").stat().st_size > 0
     data = json.loads((out / "serve.json").read_text())
