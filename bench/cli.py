@@ -399,6 +399,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("cachescout: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader went away (`cachescout config | head`): not an error; nothing more to say.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, RuntimeError, OSError) as exc:
         print(f"cachescout {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_ERROR

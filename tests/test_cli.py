@@ -187,3 +187,12 @@ def test_config_with_a_state_store(capsys):
     assert "--deployment goes with --state-url" in capsys.readouterr().err
     assert main(["config", "--state-url", "http://state"]) == 2
     assert "shared_state.url" in capsys.readouterr().err
+
+
+def test_a_reader_that_goes_away_is_not_an_error():
+    import subprocess
+    import sys
+    # `true` reads nothing and is gone before the command writes: every write meets a closed pipe.
+    out = subprocess.run(f"set -o pipefail; {sys.executable} -m cachescout.bench.cli config --cpu-gib 2 | true",
+                         shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stderr == "", out.stderr[-500:]
