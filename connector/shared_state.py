@@ -730,19 +730,16 @@ class _Pacer:
     every loop here that can run long calls the pacer, which sleeps briefly once `slice_s` of work
     has passed: a waiting scheduler thread then gets the lock within about `slice_s`."""
 
-    __slots__ = ("slice_s", "pause_s", "_since", "pauses")
+    __slots__ = ("slice_s", "pause_s", "_since")
 
     def __init__(self, slice_s: float = 0.001, pause_s: float = 0.0001) -> None:
         self.slice_s = slice_s
         self.pause_s = pause_s
         self._since = time.perf_counter()
-        self.pauses = 0
 
     def __call__(self) -> None:
-        now = time.perf_counter()
-        if now - self._since >= self.slice_s:
+        if time.perf_counter() - self._since >= self.slice_s:
             time.sleep(self.pause_s)
-            self.pauses += 1
             self._since = time.perf_counter()
 
 

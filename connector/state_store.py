@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from collections.abc import Sequence
 from typing import Any
 
 SCHEMA = "v2"   # v2: checksummed blobs (policy/state.py schema 2); v1 replicas and keys are never read
@@ -381,13 +382,14 @@ class StateStore:
     def prune_departed(self, cutoff_ms: int, latest_ms: int = 2**53) -> int:
         return int(self._prune(keys=[self.keys.departed, self.keys.departed_at], args=[cutoff_ms, latest_ms]))
 
-    def repair(self, replica: str | None = None) -> dict[str, str]:
-        """Delete the deployment's keys (and `replica`'s own) that hold the wrong Redis type.
-        Returns key -> the type it held."""
+    def repair(self, replica: str | None = None, gens: Sequence[str] = ()) -> dict[str, str]:
+        """Delete the deployment's keys (and `replica`'s own, and the generation keys `gens`) that
+        hold the wrong Redis type. Returns key -> the type it held."""
         k = self.keys
         want = [(k.meta, "hash"), (k.replicas, "zset"), (k.departed, "hash"), (k.departed_at, "zset")]
         if replica is not None:
             want += [(k.rep(replica), "hash"), (k.gen(replica), "string")]
+        want += [(key, "string") for key in gens]
         out = self._repair(keys=[key for key, _ in want], args=[t for _, t in want])
         return {_text(a): _text(b) for a, b in zip(out[::2], out[1::2], strict=True)}
 
@@ -396,15 +398,11 @@ class StateStore:
         """Forget the deployment's learned state. Replicas see the new epoch at their next flush and
         start their counts over (a stale flush is refused by the epoch check). Returns keys deleted."""
         k = self.keys
-        n = len(self.repair())
         every = [_text(key) for key in self.r.scan_iter(match=_glob_escape(k.prefix) + "*", count=500)]
-        gens = [key for key in every if key.startswith(k.prefix + "gen:")]
-        p = self.r.pipeline(transaction=False)
-        for key in gens:
-            p.type(key)
         # Generations stay (they fence old copies of replicas), unless someone wrote another type there.
-        bad = {key for key, t in zip(gens, p.execute(), strict=True) if _text(t) not in ("string", "none")}
-        doomed = [key for key in every if key != k.meta and (key not in gens or key in bad)]
+        gens = {key for key in every if key.startswith(k.prefix + "gen:")}
+        n = len(self.repair(gens=sorted(gens)))
+        doomed = [key for key in every if key != k.meta and key not in gens]
         for i in range(0, len(doomed), 500):
             n += int(self.r.delete(*doomed[i:i + 500]))
         if self.r.exists(k.meta):

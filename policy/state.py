@@ -252,27 +252,28 @@ class _Shapes:
             return items                                  # an empty row, or no rows at all
         first = type(items[0])
         if first is tuple:                                # a row's cells
+            if any(type(c) is not tuple for c in items):
+                raise StateDecodeError(f"state transitions list mixes other values in: {_peek(items)}")
             cells = _Cells(items)
-            # dict() of anything but pairs fails, so a size check finds both repeats and intruders
-            if len(cells) != len(items) or any(type(c) is not tuple for c in items):
-                raise StateDecodeError(_repeats_or_mixed(items, tuple, "transitions"))
+            if len(cells) != len(items):
+                raise StateDecodeError(f"state transitions list repeats agent {_repeated(items)!r:.80}")
             return cells
         raise StateDecodeError(f"state holds an array that is not a [agent, count] transition, a row "
-                               f"[agent, [[agent, count], ...]] or a list of either: {_peek(items)}")
+                               f"[agent, [[agent, count], ...]] or a list of transitions: {_peek(items)}")
 
     def map(self, pairs: list[tuple[Any, Any]]) -> Any:
         raise StateDecodeError(f"state holds a map inside its header (keys {_peek([k for k, _ in pairs])}); "
                                "a snapshot has none")
 
 
-def _repeats_or_mixed(items: list, kind: type, what: str) -> str:
-    if all(type(x) is kind for x in items):
-        seen: set[str] = set()
-        for x in items:
-            if x[0] in seen:
-                return f"state {what} list repeats agent {x[0]!r:.80}"
-            seen.add(x[0])
-    return f"state {what} list mixes other values in: {_peek(items)}"
+def _repeated(cells: list[tuple[str, int]]) -> str:
+    """The first agent named twice in `cells` (which names one twice)."""
+    seen: set[str] = set()
+    for name, _ in cells:
+        if name in seen:
+            return name
+        seen.add(name)
+    raise AssertionError("no agent is repeated")
 
 
 def _peek(items: Any) -> str:
