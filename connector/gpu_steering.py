@@ -103,8 +103,6 @@ class GpuSteering:
         self.pool = pool
         self.req_blocks = req_blocks
         self._cached = getattr(pool, "cached_block_hash_to_block", None)   # hash -> block(s), vLLM's
-        # The shadow LRU the policy compares itself with has the pool's size (less the null block).
-        self.policy.guard.capacity = max(1, pool.num_gpu_blocks - 1)
 
     # -- events, O(1) each but `finished`: the work happens once per step in `step` ------------------
     def arrived(self, request: Any) -> None:

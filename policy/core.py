@@ -106,7 +106,6 @@ class CacheScoutPolicy:
         self.scorer = SurvivalScorer(cfg, self.learner, self.sessions, self.cost)
         self.planner = PrefetchPlanner(cfg, self.cost)
         self.guard = LruGuard()
-        self._evicting = False
         self._prefetched: dict[Hashable, None] = {}   # prefetched blocks not yet used or evicted
         self._prefetch_used = 0.0                      # decayed counts of those judged
         self._prefetch_judged = 0.0
@@ -289,12 +288,11 @@ class CacheScoutPolicy:
         comparison; default `block_keys`."""
         live = self._live.get(request_id)
         index = self.index
-        self._track_capacity()
         self._prompt_blocks += len(block_keys)
         self._admitted += 1
         if self._admitted == _RESAMPLE_AFTER:
             self.guard.resample(self._prompt_blocks / self._admitted)
-        self.guard.accessed(block_keys if hittable is None else hittable, num_cached)
+        self.guard.accessed(block_keys, num_cached, None if hittable is None else len(hittable))
         if num_cached:
             self._note_dead_hits(block_keys, num_cached)
         if live is None:
@@ -338,7 +336,6 @@ class CacheScoutPolicy:
         for key in block_keys:
             add(key, group)
         self.guard.filled(block_keys)
-        self._track_capacity()
         if live is not None and live.obs.agent is not None:
             keys = self._context_keys.get(live.obs.session, {}).get(live.obs.agent)
             if keys is not None:
@@ -367,6 +364,7 @@ class CacheScoutPolicy:
             if rec is not None and rec.anchor_node:
                 group = self.index.get_group(("anchor", agent, rec.anchor_node))
         pending = self._prefetched
+        self.guard.loaded(keys)
         for key in keys:
             self.index.add(key, group)
             if len(pending) < _PREFETCH_PENDING_MAX:
@@ -398,14 +396,10 @@ class CacheScoutPolicy:
         if self._prefetched:
             self._judge_prefetch(keys, True)
 
-    def _track_capacity(self) -> None:
-        # Before the first eviction: the most blocks cached so far.
-        if not self._evicting and len(self.index) > self.guard.capacity:
-            self.guard.capacity = len(self.index)
-
     def blocks_evicted(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
             self.index.discard(key)
+        self.guard.evicted(keys)
         if self._prefetched:
             self._judge_prefetch(keys, False)
 
@@ -424,12 +418,8 @@ class CacheScoutPolicy:
         """Remove and return the next `n` victims."""
         now = self.clock() if now is None else now
         self.scorer.score(self.index, self._next_hint, self.guard.trust, now)
-        # The cache is full: the blocks cached now are what LRU has to work with (running requests'
-        # partial blocks take the rest), so the shadow LRU is sized by this.
-        self._evicting = True
-        g = self.guard
-        g.capacity = len(self.index) if g.capacity == 0 else int(0.99 * g.capacity + 0.01 * len(self.index))
         out = self.index.evict(n, now)
+        self.guard.evicted(out)
         if self._prefetched:
             self._judge_prefetch(out, False)
         return out

@@ -1,10 +1,16 @@
 """Keeps the learned order honest: is it beating LRU on this traffic, right now?
 
 A shadow LRU cache is simulated on a spatial sample of the blocks (SHARDS, Waldspurger et al.,
-FAST 2015): blocks whose key falls in a fixed 1/`SAMPLE` slice of the hash space, in a cache
-1/`SAMPLE` the size. Requests replay into it in the order they reach the real cache, with vLLM's
-semantics: a hit stops at the first sampled block missing, a block is held (unevictable) from the
-request that uses it until it is released, and free blocks leave in the order they were released.
+FAST 2015): blocks whose key falls in a fixed 1/`SAMPLE` slice of the hash space. Requests replay
+into it in the order they reach the real cache, with vLLM's semantics: a hit stops at the first
+sampled block missing, a block is held (unevictable) from the request that uses it until it is
+released, and free blocks leave in the order they were released. The shadow holds at most as many
+sampled blocks as the real cache holds at that moment: a fixed size would be wrong by the blocks
+that running requests' partial blocks and prefetches take, which come and go (sized by the cache's
+nominal capacity, it was 0.4-2 points pessimistic about LRU on long conversations, enough to keep
+trusting a model that lost to LRU), and equal occupancy also takes out the sampling noise in how
+many sampled blocks the real cache happens to hold. Held to LRU's order, the real cache and its
+shadow then hold the same sampled blocks.
 Over windows of sampled accesses (2048, or 256 requests' worth), the real cache's hits on the same
 sampled blocks (those within the prefix it really hit) are compared with the shadow's: that
 difference is CacheScout's measured gain over plain LRU.
@@ -54,7 +60,7 @@ class LruGuard:
         self.sample = sample          # one block in `sample` (by key hash) is simulated
         self._held: set[Hashable] = set()                  # sampled blocks in use: never evicted
         self._free: OrderedDict[Hashable, None] = OrderedDict()  # sampled free blocks, LRU first
-        self.capacity = 0             # real cache size in blocks (0: learn it from the index)
+        self._resident: set[Hashable] = set()   # sampled blocks the real cache holds: the shadow's size
         self.trust = 1.0
         self._ours = 0                # hits of the real cache on sampled accesses, this window
         self._lru = 0                 # hits of the shadow LRU, this window
@@ -81,26 +87,31 @@ class LruGuard:
             self.sample = rate
             self._held.clear()
             self._free.clear()
+            self._resident.clear()
             self._ours = self._lru = self._seen = self._requests = 0
 
-    def accessed(self, keys: Sequence[Hashable], num_cached: int) -> None:
-        """A request's prompt blocks in order, and how many leading ones the real cache hit.
-        A sampled block is the real cache's hit when it lies within that prefix (a block that
-        is cached past a missing one is recomputed all the same); the shadow's, when it and every
+    def accessed(self, keys: Sequence[Hashable], num_cached: int, hittable: int | None = None) -> None:
+        """A request's prompt blocks in order (now all in the real cache, held), and how many
+        leading ones the real cache hit; only the first `hittable` (default all) are compared. A
+        sampled block is the real cache's hit when it lies within that prefix (a block that is
+        cached past a missing one is recomputed all the same); the shadow's, when it and every
         sampled block before it are in the shadow."""
-        held, free = self._held, self._free
+        held, free, resident = self._held, self._free, self._resident
         prefix_lru = True
         sample = self.sample
         seen = self._seen
+        compared = len(keys) if hittable is None else hittable
         for i in range(len(keys)):
             key = keys[i]
             if hash(key) % sample:
                 continue
             was_free = free.pop(key, 0) is None
-            prefix_lru = prefix_lru and (was_free or key in held)
-            self._seen += 1
-            self._lru += prefix_lru
-            self._ours += i < num_cached
+            resident.add(key)
+            if i < compared:
+                prefix_lru = prefix_lru and (was_free or key in held)
+                self._seen += 1
+                self._lru += prefix_lru
+                self._ours += i < num_cached
             held.add(key)
         if self._seen > seen:
             self._requests += 1
@@ -115,7 +126,21 @@ class LruGuard:
         for key in [k for k in keys if not hash(k) % sample]:
             self._free.pop(key, None)
             self._held.add(key)
+            self._resident.add(key)
         self._trim()
+
+    def loaded(self, keys: Sequence[Hashable]) -> None:
+        """Blocks the real cache gained without a request (a prefetch): room the shadow gets too."""
+        sample = self.sample
+        self._resident.update(k for k in keys if not hash(k) % sample)
+
+    def evicted(self, keys: Sequence[Hashable]) -> None:
+        """Blocks the real cache dropped."""
+        resident = self._resident
+        sample = self.sample
+        for key in keys:
+            if not hash(key) % sample:
+                resident.discard(key)
 
     def released(self, keys: Sequence[Hashable]) -> None:
         """Blocks that became free, in free order: LRU's recency is the release."""
@@ -127,7 +152,7 @@ class LruGuard:
                 free[key] = None
 
     def _trim(self) -> None:
-        cap = max(1, self.capacity // self.sample)
+        cap = len(self._resident)
         free = self._free
         while free and len(free) + len(self._held) > cap:
             free.popitem(last=False)

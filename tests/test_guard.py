@@ -1,26 +1,53 @@
 import itertools
+from pathlib import Path
+
+import pytest
 
 
 import cachescout.policy.guard as guard_mod
 from cachescout.bench.policies import CacheScoutReplay, make_policy
 from cachescout.bench.replay import Engine, EngineConfig
 from cachescout.bench.run import calibrate_gpu_blocks
+from cachescout.bench.trace import TraceOptions, load_trace
 from cachescout.bench.workloads import WorkloadSpec, generate
 from cachescout.policy import PolicyConfig
 from cachescout.policy.guard import LruGuard
 
+CONVERSATIONS = Path(__file__).parent / "data" / "claude-code"
 
-def test_unsampled_shadow_reproduces_the_real_lru():
-    """With every block sampled and the policy held to LRU order, the shadow must score exactly
-    what the real cache scores: any gap would bias the trust."""
-    sessions = generate(WorkloadSpec(family="gaia", sessions=80, seed=4))
-    policy = CacheScoutReplay(PolicyConfig(min_confidence=1.0))   # confidence never reaches 1: LRU
-    policy.core.guard.sample = 1
-    Engine(EngineConfig(gpu_blocks=2500), policy).run(sessions)
+
+@pytest.mark.parametrize("sample", [1, guard_mod.SAMPLE])
+def test_shadow_held_to_lru_order_holds_what_the_real_cache_holds(sample):
+    """With the policy held to LRU order, the shadow must hold the sampled blocks the real cache
+    holds and score exactly what it scores, on long conversations whose running requests' partial
+    blocks take a changing share of the cache: any gap would bias the trust."""
+    sessions, _ = load_trace(CONVERSATIONS, TraceOptions())
+    bs = sessions[0].calls[0].block_size
+    policy = CacheScoutReplay(PolicyConfig(block_size=bs, min_confidence=1.0))   # never confident: LRU
     g = policy.core.guard
+    g.sample = sample
+    lru = Engine(EngineConfig(gpu_blocks=3000, block_size=bs), make_policy("lru", PolicyConfig(block_size=bs)))
+    ours = Engine(EngineConfig(gpu_blocks=3000, block_size=bs), policy)
+    assert ours.run(sessions).summary()["token_hit_rate"] == lru.run(sessions).summary()["token_hit_rate"]
     seen = g.total_seen + g._seen
-    assert seen > 5000
-    assert abs(g.total_ours + g._ours - g.total_lru - g._lru) / seen < 0.005
+    assert seen > 5000 and g.total_ours < seen         # evictions happened, and were compared
+    # Equal but for blocks vLLM computes twice (cached past a missing block, so held twice): a few
+    # in 10,000 accesses. A shadow sized by the cache's capacity was 1.1-1.3% off here.
+    assert abs(g.total_ours + g._ours - g.total_lru - g._lru) / seen < 0.0005
+
+
+def test_the_shadow_is_as_large_as_the_real_cache_is_now():
+    g = LruGuard()
+    a, b = _sampled_keys(6), _sampled_keys(2)
+    g.accessed(a, 0)
+    g.released(a)                    # six free in the shadow and the real cache
+    g.evicted(a[:4])                 # the real cache needed room (a running request's partial blocks)
+    g.accessed(b, 0)                 # four resident now: the shadow keeps the two newest free
+    assert list(g._free) == a[4:] and g._held == set(b)
+    g.loaded(_sampled_keys(2))       # a prefetch: the real cache holds more, so may the shadow
+    g.released(b)
+    g.accessed(_sampled_keys(1), 0)
+    assert list(g._free) == a[4:] + b
 
 
 _keys = itertools.count()
@@ -50,7 +77,6 @@ def _feed(guard: LruGuard, windows: int, ours_hits: bool, lru_hits: bool, per_re
 
 def test_guard_cuts_trust_when_the_model_loses_and_retries_with_backoff():
     g = LruGuard()
-    g.capacity = 1 << 30
     _feed(g, 1, ours_hits=False, lru_hits=True)     # clearly worse than LRU
     assert g.trust == 0.0
     _feed(g, 1, ours_hits=True, lru_hits=True)      # one window on LRU, then retry
@@ -67,13 +93,13 @@ def test_guard_cuts_trust_when_the_model_loses_and_retries_with_backoff():
 
 def test_shadow_never_evicts_held_blocks():
     g = LruGuard()
-    g.capacity = 3 * guard_mod.SAMPLE
-    keys = [k for k in range(200) if hash(k) % guard_mod.SAMPLE == 0][:5]
-    g.accessed(keys[:4], 0)          # four held: over capacity, but nothing is free to evict
+    keys = _sampled_keys(5)
+    g.accessed(keys[:4], 0)          # four held
+    g.evicted(keys[:2])              # the real cache says it holds two: nothing is free to evict
     assert g._held == set(keys[:4]) and not g._free
     g.released(keys[:3])             # free in release order; evicted only when room is needed
     assert list(g._free) == keys[:3]
-    g.accessed(keys[4:], 0)          # room for one more held block: the two oldest free go
+    g.accessed(keys[4:], 0)          # three resident, two of them held: the two oldest free go
     assert list(g._free) == [keys[2]] and g._held == {keys[3], keys[4]}
 
 
@@ -101,7 +127,6 @@ def _mixed(guard: LruGuard, windows: int, ours_share: float):
 
 def test_a_model_slightly_but_steadily_worse_than_lru_is_cut():
     g = LruGuard()
-    g.capacity = 1 << 30
     _mixed(g, 1, 15 / 16)      # 6% below LRU: under the bar of one window far worse, past two standard errors
     assert g.trust == 0.0
     _mixed(g, 1, 15 / 16)      # on LRU for one window, then tried again
@@ -112,7 +137,6 @@ def test_a_model_slightly_but_steadily_worse_than_lru_is_cut():
 
 def test_one_good_window_does_not_shorten_the_wait_after_failures():
     g = LruGuard()
-    g.capacity = 1 << 30
     for _ in range(3):         # fail, wait, retry: the backoff grows to 8 windows
         _feed(g, 1, ours_hits=False, lru_hits=True)
         while g.trust == 0.0:
