@@ -56,11 +56,6 @@ class PolicyConfig:
         lo=8, hi=65536)
     session_min_shared_chunks: int = _setting(
         3, "content chunks a call must share with a session to join it", lo=1, hi=1024)
-    session_time_association: bool = _setting(
-        False, "for calls without tokens and no hint: join the idle session the chain finds most likely "
-        "(experimental: it made no correct link on the built-in workloads)")
-    session_association_min_probability: float = _setting(
-        0.3, "transition probability needed for a time-based session match", lo=0, hi=1)
 
     # Transition learner.
     transition_half_life: float = _setting(

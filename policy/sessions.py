@@ -33,7 +33,6 @@ from .transitions import TransitionLearner
 _MIN_ENDED: Final = 20.0            # multi-call sessions needed before judging session links
 _ENDED_DECAY: Final = 0.995         # ... counted with a half-life of about 140 sessions
 _MIN_IDLE_S: Final = 5.0           # never call a session over sooner than this
-_TIME_SCAN: Final = 256            # idle sessions examined for a time-based match
 _CUT_MASK: Final = 3               # a cut after ~1 token in 4: chunks of ~4 tokens
 _MIX: Final = 0x9E3779B97F4A7C15   # odd 64-bit constants for the cut-point hash
 _MIX_PREV: Final = 0x85EBCA6B
@@ -101,7 +100,6 @@ class Session:
     chunks: list[Hashable] = dataclasses.field(default_factory=list)
     called: set[str] = dataclasses.field(default_factory=set)  # agents this session has called
     anchor_nodes: dict[str, int] = dataclasses.field(default_factory=dict)  # agent -> anchor version it used last
-    linked: set[str] = dataclasses.field(default_factory=set)  # ... joined on firm evidence (not time)
     over: bool = False             # idle long enough to be all but certainly finished
     # The scorer's view of it in its latest rescoring (`SurvivalScorer.score`), kept here so that
     # rescoring looks nothing up per session.
@@ -117,7 +115,7 @@ class Assignment:
     session: Session
     previous_agent: str | None     # agent of the session's previous call (None: first call)
     new: bool
-    evidence: str                  # "hint", "continuation", "content", "time" or "new"
+    evidence: str                  # "hint", "continuation", "content" or "new"
     previous_call_at: float | None  # when the session's previous call started
 
 
@@ -204,10 +202,6 @@ class SessionTracker:
                 s = self._match_content(chunks, agent)
             if s is not None:
                 evidence = "content"
-        if s is None and not has_content and agent is not None and self.cfg.session_time_association:
-            s = self._match_time(agent)
-            if s is not None:
-                evidence = "time"
         new = s is None
         if s is None:
             s = self._open(now, f"auto:{next(self._ids)}")
@@ -219,8 +213,6 @@ class SessionTracker:
         self._count_linked(s, -1)
         if agent is not None:
             s.called.add(agent)
-            if evidence != "time":
-                s.linked.add(agent)
         s.calls += 1
         self._count_linked(s, 1)
         s.in_flight += 1
@@ -325,14 +317,14 @@ class SessionTracker:
         """Add (1) or take back (-1) the session's part in the live counts of `cross_agent_share`."""
         if s.calls >= 2:
             self._live_multi += sign
-            if len(s.linked) >= 2:
+            if len(s.called) >= 2:
                 self._live_mixed += sign
 
     def _forget(self, s: Session) -> None:
         self._count_linked(s, -1)
         if s.calls >= 2:
             self.multi_call = self.multi_call * _ENDED_DECAY + 1.0
-            self.multi_agent = self.multi_agent * _ENDED_DECAY + (1.0 if len(s.linked) >= 2 else 0.0)
+            self.multi_agent = self.multi_agent * _ENDED_DECAY + (1.0 if len(s.called) >= 2 else 0.0)
         if s.agent is not None and s.calls:
             self.agent_counts[s.agent] -= 1
             if self.agent_counts[s.agent] <= 0:
@@ -401,18 +393,3 @@ class SessionTracker:
                 s.chunks.append(c)
             elif owner is not s:
                 self._share(c)
-
-    def _match_time(self, agent: str) -> Session | None:
-        learner = self.learner
-        if learner is None:
-            return None
-        best = None
-        best_p = self.cfg.session_association_min_probability
-        # Longest-waiting first (they win ties); a bounded scan keeps this O(1) per call.
-        for s in itertools.islice(self._idle.values(), _TIME_SCAN):
-            if s.hinted or s.agent is None or agent in s.called:
-                continue
-            p = learner.probability(s.agent, agent)
-            if p > best_p:
-                best, best_p = s, p
-        return best

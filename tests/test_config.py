@@ -23,7 +23,6 @@ def test_defaults_are_valid_and_documented():
     ("min_confidence", math.inf, "'min_confidence'"),
     ("block_size", 16.0, "must be an integer"),
     ("block_size", True, "must be an integer"),
-    ("session_time_association", 1, "true or false"),
     ("kv_bytes_per_token", "131072", "got '131072' (str)"),
 ])
 def test_bad_values_fail_naming_field_and_accepted_values(field, value, needle):

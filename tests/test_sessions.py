@@ -54,21 +54,6 @@ def test_idle_sessions_expire_and_are_reported():
     assert len(tracker) == 0 and not tracker.agent_counts
 
 
-def test_time_association_follows_the_chain():
-    learner = TransitionLearner()
-    for _ in range(20):
-        learner.update("coder", "sup")
-    tracker = SessionTracker(PolicyConfig(session_time_association=True), learner)
-    a = tracker.assign(0.0, "coder")
-    tracker.finished(a.session.sid, 1.0)
-    b = tracker.assign(2.0, "sup")
-    assert b.session is a.session and b.evidence == "time"
-    off = SessionTracker(PolicyConfig(), learner)
-    x = off.assign(0.0, "coder")
-    off.finished(x.session.sid, 1.0)
-    assert off.assign(2.0, "sup").new
-
-
 def test_a_sketch_gives_the_same_chunks_as_the_tokens():
     from cachescout.policy import content_sketch, sketch_window
     tokens = words(3, 40) + words(4, 400)
@@ -114,7 +99,7 @@ def test_cross_agent_share_counts_live_and_ended_sessions():
         tracker.expire(now)
         live = [s for s in tracker if s.calls >= 2]
         multi = tracker.multi_call + len(live)
-        mixed = tracker.multi_agent + sum(len(s.linked) >= 2 for s in live)
+        mixed = tracker.multi_agent + sum(len(s.called) >= 2 for s in live)
         share = tracker.cross_agent_share()
         if multi < 20:
             assert share is None
