@@ -23,7 +23,7 @@ from collections import Counter, OrderedDict, defaultdict
 from collections.abc import Hashable, Sequence
 from typing import Final
 
-from cachescout.policy import EvictionIndex
+from cachescout.policy import EvictionIndex, InputError
 
 from .replay import ReplayPolicy, Request, call_keys
 from .workloads import Session
@@ -123,7 +123,7 @@ class KVFlowPolicy(ReplayPolicy):
     def __init__(self, sessions: Sequence[Session], block_size: int) -> None:
         unlabelled = sum(c.agent is None for s in sessions for c in s.calls)
         if unlabelled:
-            raise ValueError(f"kvflow needs the true agent of every call (its workflow graph is built from them); "
+            raise InputError(f"kvflow needs the true agent of every call (its workflow graph is built from them); "
                              f"{unlabelled:,} calls here have none")
         counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         keys_by_agent: dict[str, list[list[Hashable]]] = defaultdict(list)

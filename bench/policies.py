@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
 
-from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig
+from cachescout.policy import CacheScoutPolicy, Hints, InputError, PolicyConfig
 
 from .belady import BeladyPolicy
 from .baselines import ContinuumPolicy, KVFlowPolicy
@@ -107,5 +107,5 @@ def make_policy(name: str, config: PolicyConfig, sessions: Sequence[Session] = (
     try:
         factory = REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}") from None
+        raise InputError(f"unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}") from None
     return factory(config, sessions)

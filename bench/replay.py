@@ -36,6 +36,8 @@ from importlib import resources
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Final, cast
 
+from cachescout.policy import InputError
+
 from .workloads import Session
 
 try:
@@ -66,7 +68,7 @@ class CostProfile:
         profiles = json.loads(resources.files("cachescout.bench").joinpath("data", "cost_profiles.json").read_text())
         if name not in profiles or name.startswith("_"):
             known = sorted(k for k in profiles if not k.startswith("_"))
-            raise ValueError(f"unknown cost profile {name!r}; choose from {', '.join(known)}")
+            raise InputError(f"unknown cost profile {name!r}; choose from {', '.join(known)}")
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(name=name, **{k: v for k, v in profiles[name].items() if k in fields})
 
@@ -150,11 +152,11 @@ class EngineConfig:
         for name in ("gpu_blocks", "block_size", "max_num_seqs", "max_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+                raise InputError(f"{name} must be a positive integer, got {v!r}")
         for name in ("cpu_blocks", "redis_blocks"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+                raise InputError(f"{name} must be a non-negative integer, got {v!r}")
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -424,11 +426,11 @@ class SessionFlow:
         by_id: dict[str, Session] = {}
         for s in sessions:
             if s.session_id in by_id:
-                raise ValueError(f"session id {s.session_id!r} is used by two sessions")
+                raise InputError(f"session id {s.session_id!r} is used by two sessions")
             if not s.calls:
-                raise ValueError(f"session {s.session_id!r} has no calls")
+                raise InputError(f"session {s.session_id!r} has no calls")
             if s.offsets_s and len(s.offsets_s) != len(s.calls):
-                raise ValueError(f"session {s.session_id!r}: {len(s.offsets_s)} offsets for {len(s.calls)} calls")
+                raise InputError(f"session {s.session_id!r}: {len(s.offsets_s)} offsets for {len(s.calls)} calls")
             by_id[s.session_id] = s
             self.total_calls += len(s.calls)
         self._by_id = by_id
@@ -438,7 +440,7 @@ class SessionFlow:
                 continue
             parent = by_id.get(s.parent)
             if parent is None or parent.offsets_s or not 0 <= s.after_call < len(parent.calls):
-                raise ValueError(f"sub-session {s.session_id!r}: no closed-loop session {s.parent!r} "
+                raise InputError(f"sub-session {s.session_id!r}: no closed-loop session {s.parent!r} "
                                  f"with a call {s.after_call}")
             self._children.setdefault((s.parent, s.after_call), []).append(s)
         self._open: dict[tuple[str, int], int] = {}   # (parent, call) -> sub-sessions not yet done
@@ -492,8 +494,8 @@ EV_RELEASE: Final = 3
 EV_PREFETCH: Final = 4
 
 
-class CacheTooSmall(ValueError):
-    """A call cannot fit in the GPU cache at all."""
+class CacheTooSmall(InputError):
+    """A call cannot fit in the GPU cache at all, or the cache thrashes (preempts without end)."""
 
 
 def blocks_needed(call: Any, block_size: int) -> int:
@@ -525,7 +527,7 @@ class Engine:
     def __init__(self, cfg: EngineConfig, policy: ReplayPolicy, prompt_keys: PromptKeys | None = None) -> None:
         """`prompt_keys`: shared with other replays of the same calls (else computed here)."""
         if prompt_keys is not None and prompt_keys.block_size != cfg.block_size:
-            raise ValueError(f"prompt_keys has block_size {prompt_keys.block_size}, the engine {cfg.block_size}")
+            raise InputError(f"prompt_keys has block_size {prompt_keys.block_size}, the engine {cfg.block_size}")
         self.cfg = cfg
         self.policy = policy
         self.prompt_keys = prompt_keys or PromptKeys(cfg.block_size)
@@ -812,7 +814,7 @@ class Engine:
             if not n_decode and not prefill:
                 if running or waiting:
                     # Nothing fits: only possible when the cache cannot hold one request.
-                    raise RuntimeError("a request needs more KV blocks than the GPU cache holds; raise gpu_blocks")
+                    raise CacheTooSmall("a request needs more KV blocks than the GPU cache holds; raise gpu_blocks")
                 continue
             prefill_tokens = sum(c for _, c in prefill)
             step_s = cfg.cost.step_s(prefill_tokens, n_decode, context) + self._load_s
@@ -837,7 +839,7 @@ class Engine:
                         decoding.leave(victim)
                     self._preempt(victim)
                     if max_preemptions is not None and self.preemptions > max_preemptions:
-                        raise RuntimeError(f"the GPU cache thrashes ({self.preemptions} preemptions)")
+                        raise CacheTooSmall(f"the GPU cache thrashes ({self.preemptions} preemptions)")
                     waiting.appendleft(victim)
                     if victim is req:
                         break

@@ -11,12 +11,12 @@ from collections.abc import Callable, Sequence
 from typing import cast
 from pathlib import Path
 
-from cachescout.policy import NATIVE_STATUS, PolicyConfig
+from cachescout.policy import NATIVE_STATUS, ExternalError, InputError, PolicyConfig
 
 from .metrics import inference_accuracy
 from .policies import make_policy
 from .bound import belady_hits
-from .replay import CostProfile, Engine, EngineConfig, PromptKeys, blocks_needed
+from .replay import CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys, blocks_needed
 from .table import render
 from .sweep import CACHE_FACTORS, LOAD_FACTORS, SWEEP_POLICIES, cache_sweep, load_sweep, plot
 from .trace import TraceOptions, export_trace, load_trace
@@ -71,7 +71,7 @@ def calibrate_gpu_blocks(sessions: Sequence[Session], block_size: int, target: f
             result = Engine(EngineConfig(gpu_blocks=blocks, block_size=block_size),
                             make_policy("lru", PolicyConfig(block_size=block_size)), prompt_keys).run(
                                 sessions, max_preemptions=len(sessions))
-        except RuntimeError:  # thrashing
+        except CacheTooSmall:  # thrashing
             return 0.0
         return result.summary()["token_hit_rate"]
 
@@ -83,7 +83,7 @@ def calibrate_gpu_blocks(sessions: Sequence[Session], block_size: int, target: f
     while lru_hit(hi) < target:
         lo, hi = hi, hi * 2
         if hi > 1 << 24:
-            raise ValueError(f"LRU never reaches a {target:.0%} hit rate on this workload")
+            raise InputError(f"LRU never reaches a {target:.0%} hit rate on this workload")
     while hi - lo > max(16, lo // 50):
         mid = (lo + hi) // 2
         if lru_hit(mid) < target:
@@ -109,7 +109,7 @@ def run_trace(opts: BenchOptions, progress: Progress | None = None) -> dict:
     sessions, read = load_trace(opts.trace, opts.trace_options)
     if not sessions:
         why = f": {read.summary()}" if read.skipped else " (it holds no records)"
-        raise ValueError(f"--trace {opts.trace}: no valid record{why}")
+        raise InputError(f"--trace {opts.trace}: no valid record{why}")
     block_size = sessions[0].calls[0].block_size
     report = run_sessions(Path(opts.trace).name, sessions, block_size, opts, progress)
     report["trace"] = {"path": str(opts.trace), "records": read.records, "skipped": read.skipped,
@@ -152,7 +152,7 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     for policy_name in policies:
         if policy_name in NEED_AGENTS and not labelled:
             unlabelled = sum(c.agent is None for s in sessions for c in s.calls)
-            raise ValueError(f"{policy_name} needs the true agent of every call ('agent' in the trace); "
+            raise InputError(f"{policy_name} needs the true agent of every call ('agent' in the trace); "
                              f"{unlabelled:,} calls here have none")
         policy = make_policy(policy_name, policy_cfg, sessions)
         t0 = time.perf_counter()
@@ -330,7 +330,7 @@ def _run_workload_as_built(family: str, opts: BenchOptions, build: str) -> dict:
     """`run_workload` in a new interpreter, which must run the build this process runs: one that
     imports after a source changed runs the sources, and its timings would not compare."""
     if NATIVE_STATUS != build:
-        raise RuntimeError(f"the {family} run in a fresh process would use another build ({NATIVE_STATUS}) than "
+        raise ExternalError(f"the {family} run in a fresh process would use another build ({NATIVE_STATUS}) than "
                            f"this one ({build}): did a source change during the run?")
     return run_workload(family, opts, None)
 

@@ -49,6 +49,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from cachescout.policy import CacheScoutError, ExternalError, InputError
+
 from .replay import SessionFlow
 from .workloads import Session
 
@@ -77,20 +79,20 @@ class ServeOptions:
     def __post_init__(self) -> None:
         unknown = [c for c in self.configs if c not in CONFIGS]
         if unknown or not self.configs:
-            raise ValueError(f"serve configurations: unknown {', '.join(unknown) or '(none)'}; "
+            raise InputError(f"serve configurations: unknown {', '.join(unknown) or '(none)'}; "
                              f"choose from {', '.join(CONFIGS)}")
         if not (isinstance(self.gpu_blocks, int) and self.gpu_blocks >= 4):
-            raise ValueError(f"gpu_blocks must be an integer >= 4, got {self.gpu_blocks!r}")
+            raise InputError(f"gpu_blocks must be an integer >= 4, got {self.gpu_blocks!r}")
         for name in ("cpu_ratio", "time_scale"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+                raise InputError(f"{name} must be a finite number >= 0, got {v!r}")
         if self.dtype not in _DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}, got {self.dtype!r}")
+            raise InputError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}, got {self.dtype!r}")
         if not (isinstance(self.max_output, int) and self.max_output >= 1):
-            raise ValueError(f"max_output must be an integer >= 1, got {self.max_output!r}")
+            raise InputError(f"max_output must be an integer >= 1, got {self.max_output!r}")
         if not Path(self.model, "config.json").is_file():
-            raise ValueError(f"model {self.model}: not a model folder (no config.json); "
+            raise InputError(f"model {self.model}: not a model folder (no config.json); "
                              "build one with python -m cachescout.bench.tiny_model")
 
 
@@ -111,9 +113,9 @@ def check_engine() -> str:
     try:
         from vllm.platforms import current_platform
     except ImportError as e:
-        raise ValueError(f"--engine serve needs vLLM ({e}); see docs/usage.md (make real-engine)") from None
+        raise InputError(f"--engine serve needs vLLM ({e}); see docs/usage.md (make real-engine)") from None
     if not current_platform.device_type:
-        raise ValueError("--engine serve: this vLLM build finds no device to serve on here (a CUDA build without a "
+        raise InputError("--engine serve: this vLLM build finds no device to serve on here (a CUDA build without a "
                          "GPU?); run it in the real-engine environment (make real-engine; docs/usage.md)")
     return str(current_platform.device_type)
 
@@ -128,7 +130,7 @@ def _wait_http(url: str, timeout_s: float, alive: Callable[[], bool]) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not alive():
-            raise RuntimeError(f"the server exited before {url} answered")
+            raise ExternalError(f"the server exited before {url} answered")
         try:
             with urllib.request.urlopen(url, timeout=2) as r:
                 if r.status == 200:
@@ -136,7 +138,7 @@ def _wait_http(url: str, timeout_s: float, alive: Callable[[], bool]) -> None:
         except (urllib.error.URLError, OSError):
             pass
         time.sleep(0.5)
-    raise RuntimeError(f"{url} did not answer within {timeout_s:.0f} s")
+    raise ExternalError(f"{url} did not answer within {timeout_s:.0f} s")
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
@@ -156,7 +158,7 @@ def _stop(proc: subprocess.Popen, grace_s: float = 20.0) -> None:
 @contextlib.contextmanager
 def redis_server(log_dir: Path) -> Iterator[str]:
     if shutil.which("redis-server") is None:
-        raise RuntimeError("redis-server is not installed (LMCache's Redis tier needs one): "
+        raise ExternalError("redis-server is not installed (LMCache's Redis tier needs one): "
                            "apt-get install redis-server")
     port = free_port()
     with open(log_dir / "redis.log", "wb") as log:
@@ -169,7 +171,7 @@ def redis_server(log_dir: Path) -> Iterator[str]:
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
                 break
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"redis-server did not start (see {log_dir / 'redis.log'})")
+                raise ExternalError(f"redis-server did not start (see {log_dir / 'redis.log'})")
             time.sleep(0.1)
         yield f"redis://127.0.0.1:{port}"
     finally:
@@ -244,7 +246,7 @@ class Server:
             _wait_http(self.url + "/health", options.start_timeout_s, lambda: self.proc.poll() is None)
         except RuntimeError as e:
             self.stop()
-            raise RuntimeError(f"{config}: {e}; its log: {self.log_path}\n{self.log_tail()}") from None
+            raise ExternalError(f"{config}: {e}; its log: {self.log_path}\n{self.log_tail()}") from None
 
     def log_tail(self, lines: int = 25) -> str:
         try:
@@ -305,7 +307,7 @@ async def _one_call(session: Any, url: str, tokens: list[int], max_tokens: int, 
     async with session.post(url + "/v1/completions", json=body,
                             timeout=aiohttp.ClientTimeout(total=timeout_s)) as r:
         if r.status != 200:
-            raise RuntimeError(f"HTTP {r.status} from the server: {(await r.text())[:500]}")
+            raise ExternalError(f"HTTP {r.status} from the server: {(await r.text())[:500]}")
         async for raw in r.content:
             line = raw.decode("utf-8", errors="replace").strip()
             if not line.startswith("data:") or line == "data: [DONE]":
@@ -393,7 +395,7 @@ def run_config(config: str, sessions: Sequence[Session], options: ServeOptions, 
     """One configuration: its servers started, every call replayed, the figures, the servers stopped."""
     longest = max(len(call_tokens(c)) + options.max_output for s in sessions for c in s.calls)
     if longest > options.gpu_blocks * BLOCK_SIZE:
-        raise ValueError(f"a call of {longest:,} tokens does not fit in {options.gpu_blocks} blocks of "
+        raise InputError(f"a call of {longest:,} tokens does not fit in {options.gpu_blocks} blocks of "
                          f"{BLOCK_SIZE}; give more gpu_blocks")
     max_len = min(options.gpu_blocks * BLOCK_SIZE, -(-longest // BLOCK_SIZE) * BLOCK_SIZE)
     with contextlib.ExitStack() as stack:
@@ -412,7 +414,7 @@ def run_config(config: str, sessions: Sequence[Session], options: ServeOptions, 
         try:
             records = asyncio.run(_replay(sessions, server.url, options, tick))
         except Exception as e:
-            raise RuntimeError(f"{config}: the replay failed: {e}; server log {server.log_path}:\n"
+            raise ExternalError(f"{config}: the replay failed: {e}; server log {server.log_path}:\n"
                                f"{server.log_tail()}") from None
         wall = time.perf_counter() - t0
         after = _settled_metrics(server, len(records), config.startswith("cachescout"))
@@ -670,7 +672,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = args.model or str(build())
         fitted = fit_profile(ServeOptions(model=model, gpu_blocks=256, configs=("prefix",)),
                              progress=lambda m: print(m, file=sys.stderr, flush=True))
-    except (ValueError, RuntimeError, ImportError) as e:
+    except (CacheScoutError, ImportError) as e:
         print(f"cachescout serve: error: {e}", file=sys.stderr)
         return 1
     import platform

@@ -39,7 +39,7 @@ from collections.abc import Iterator, Sequence
 import msgpack
 
 from cachescout.connector.shared_state import SharedLearnedState, SharedStateSettings
-from cachescout.policy import CacheScoutPolicy, PolicyConfig
+from cachescout.policy import CacheScoutPolicy, ExternalError, PolicyConfig
 from cachescout.policy.transitions import END, START
 
 from .policies import CacheScoutReplay
@@ -51,7 +51,7 @@ from .workloads import WorkloadSpec, generate
 @contextlib.contextmanager
 def private_redis() -> Iterator[str]:
     if shutil.which("redis-server") is None:
-        raise RuntimeError("redis-server is not installed; give --redis-url")
+        raise ExternalError("redis-server is not installed; give --redis-url")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -65,7 +65,7 @@ def private_redis() -> Iterator[str]:
                     break
             except OSError:
                 if time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
+                    raise ExternalError("redis-server did not start") from None
                 time.sleep(0.05)
         yield f"redis://127.0.0.1:{port}"
     finally:

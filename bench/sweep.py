@@ -50,7 +50,7 @@ def cache_sweep(sessions: Sequence[Session], cfg: EngineConfig, policy_cfg: Poli
                                     prompt_keys)
                     result = engine.run(sessions, max_preemptions=len(sessions) * 20)
                     hit = result.summary()["token_hit_rate"]
-                except (RuntimeError, CacheTooSmall):      # too small to hold a request, or thrashing
+                except CacheTooSmall:      # too small to hold a request, or thrashing
                     hit = None
             out[p].append((blocks, hit))
             if tick:

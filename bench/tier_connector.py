@@ -22,6 +22,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from cachescout.policy import ConfigError
+
 from .replay import CostProfile, TierStore, plan_tier_loads
 
 
@@ -35,7 +37,7 @@ class ModelledTiersConnector(KVConnectorBase_V1):
         extra = dict(vllm_config.kv_transfer_config.kv_connector_extra_config or {})
         unknown = sorted(set(extra) - {"cpu_blocks", "redis_blocks", "cost"})
         if unknown:
-            raise ValueError(f"ModelledTiersConnector: unknown key(s) {unknown}; accepted: cost, cpu_blocks, "
+            raise ConfigError(f"ModelledTiersConnector: unknown key(s) {unknown}; accepted: cost, cpu_blocks, "
                              "redis_blocks")
         self.block_size = vllm_config.cache_config.block_size
         self.cost = CostProfile.named(extra.get("cost", CostProfile().name))

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from cachescout.policy import content_chunks, content_sketch
+from cachescout.policy import InputError, content_chunks, content_sketch
 
 from .replay import ReplayResult, chain_hashes
 from .workloads import Session
@@ -52,7 +52,7 @@ _UNKNOWN_OUTPUT = -0x6F7574
 _PARTIAL = -0x706172
 
 
-class TraceError(ValueError):
+class TraceError(InputError):
     """A trace record (or file) was rejected; the message names the line or file and the field,
     `reason` says why in a few words (the read report counts them)."""
 
@@ -193,15 +193,15 @@ class TraceOptions:
 
     def __post_init__(self) -> None:
         if not (_is_int(self.block_size) and 1 <= self.block_size <= _MAX_BLOCK_SIZE):
-            raise ValueError(f"trace block_size must be an integer in 1..{_MAX_BLOCK_SIZE}, got {self.block_size!r}")
+            raise InputError(f"trace block_size must be an integer in 1..{_MAX_BLOCK_SIZE}, got {self.block_size!r}")
         if self.loop not in LOOPS:
-            raise ValueError(f"trace loop must be one of {', '.join(LOOPS)}, got {self.loop!r}")
+            raise InputError(f"trace loop must be one of {', '.join(LOOPS)}, got {self.loop!r}")
         if self.conversations is not None and not (_is_int(self.conversations) and self.conversations >= 1):
-            raise ValueError(f"trace conversations must be a positive integer, got {self.conversations!r}")
+            raise InputError(f"trace conversations must be a positive integer, got {self.conversations!r}")
         for name in ("window_s", "time_scale"):
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) or (name == "time_scale" and v == 0):
-                raise ValueError(f"trace {name} must be a finite number {'> 0' if name == 'time_scale' else '>= 0'}, "
+                raise InputError(f"trace {name} must be a finite number {'> 0' if name == 'time_scale' else '>= 0'}, "
                                  f"got {v!r}")
 
 
@@ -255,9 +255,9 @@ def read_trace(path: str | Path, *, block_size: int = DEFAULT_BLOCK_SIZE, strict
 def parse_trace(lines: Iterable[str], *, block_size: int = DEFAULT_BLOCK_SIZE, strict: bool = False,
                 loop: str = "auto") -> tuple[list[Session], TraceReadReport]:
     if not (_is_int(block_size) and 1 <= block_size <= _MAX_BLOCK_SIZE):
-        raise ValueError(f"block_size must be an integer in 1..{_MAX_BLOCK_SIZE}, got {block_size!r}")
+        raise InputError(f"block_size must be an integer in 1..{_MAX_BLOCK_SIZE}, got {block_size!r}")
     if loop not in LOOPS:
-        raise ValueError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
+        raise InputError(f"loop must be one of {', '.join(LOOPS)}, got {loop!r}")
     report = TraceReadReport()
     rows: list[tuple[float, str | None, TraceCall]] = []
     number = 0

@@ -49,7 +49,9 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from cachescout.connector.vllm_connector import CacheScoutConnector  # noqa: E402
 
-from .replay import EngineConfig, SessionFlow, _pct, check_fits  # noqa: E402
+from cachescout.policy import InputError  # noqa: E402
+
+from .replay import CacheTooSmall, EngineConfig, SessionFlow, _pct, check_fits  # noqa: E402
 from .table import render  # noqa: E402
 from .tier_connector import ModelledTiersConnector  # noqa: E402
 from .workloads import Session  # noqa: E402
@@ -173,7 +175,7 @@ class VllmReplay:
         tiered = bool(cfg.cpu_blocks or cfg.redis_blocks)
         allowed = TIERED_POLICIES if tiered else POLICIES
         if policy not in allowed:
-            raise ValueError(f"policy {policy!r} cannot run on --engine vllm{' with lower tiers' if tiered else ''}; "
+            raise InputError(f"policy {policy!r} cannot run on --engine vllm{' with lower tiers' if tiered else ''}; "
                              f"choose from {', '.join(allowed)}")
         self.cfg = cfg
         self.policy = policy
@@ -206,7 +208,7 @@ class VllmReplay:
             for k, call in enumerate(s.calls):
                 if call.prompt_len + call.output_len > _MODEL_LEN:
                     where = getattr(call, "where", None) or f"session {s.session_id} call {k}"
-                    raise ValueError(f"{where}: {call.prompt_len + call.output_len:,} tokens exceed the {_MODEL_LEN:,} "
+                    raise InputError(f"{where}: {call.prompt_len + call.output_len:,} tokens exceed the {_MODEL_LEN:,} "
                                      "a call may have on vLLM's scheduler here")
         flow = SessionFlow(sessions)
         pending: list[tuple[float, int, _Call]] = []
@@ -238,7 +240,7 @@ class VllmReplay:
             out = sched.schedule()
             t1 = time.thread_time()
             if not out.num_scheduled_tokens:
-                raise RuntimeError("vLLM scheduled nothing: a call needs more KV blocks than the cache holds")
+                raise CacheTooSmall("vLLM scheduled nothing: a call needs more KV blocks than the cache holds")
             prefill_tokens = decode_seqs = context = 0
             sampled = []
             ids = list(out.num_scheduled_tokens)

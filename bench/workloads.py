@@ -27,6 +27,8 @@ import random
 from collections.abc import Iterator, Sequence
 from importlib import resources
 
+from cachescout.policy import ExternalError, InputError
+
 FAMILIES = ("gsm8k", "mtbench", "gaia", "swebench")
 ROUTINGS = ("learned", "uniform", "random")
 VOCAB = 128_000  # Llama-3 vocabulary size (generated tokens are drawn from it)
@@ -121,13 +123,13 @@ class WorkloadSpec:
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES + ("mixed",):
-            raise ValueError(f"family must be one of {', '.join(FAMILIES + ('mixed',))}, got {self.family!r}")
+            raise InputError(f"family must be one of {', '.join(FAMILIES + ('mixed',))}, got {self.family!r}")
         if self.arrivals not in ("poisson", "bursty"):
-            raise ValueError(f"arrivals must be 'poisson' or 'bursty', got {self.arrivals!r}")
+            raise InputError(f"arrivals must be 'poisson' or 'bursty', got {self.arrivals!r}")
         if self.routing not in ROUTINGS:
-            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
+            raise InputError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if not (self.sessions > 0 and self.rate > 0 and math.isfinite(self.rate)):
-            raise ValueError("sessions and rate must be positive")
+            raise InputError("sessions and rate must be positive")
 
 
 # -- material ---------------------------------------------------------------------------------
@@ -140,7 +142,7 @@ def tokenizer():
     try:
         import quicktok
     except ImportError as exc:  # pragma: no cover - the bench extra pins it
-        raise RuntimeError("the benchmark needs the 'quicktok-v1' package (pip install 'cachescout[bench]')") from exc
+        raise ExternalError("the benchmark needs the 'quicktok-v1' package (pip install 'cachescout[bench]')") from exc
     return quicktok.get_encoding("llama3")
 
 

@@ -27,6 +27,8 @@ import logging
 from typing import Any
 
 import torch
+
+from cachescout.policy import InputError
 from lmcache.v1 import gpu_connector as _lmcache_gpu
 from lmcache.v1.gpu_connector.gpu_connectors import GPUConnectorInterface
 from lmcache.v1.memory_management import MemoryFormat
@@ -60,19 +62,19 @@ class CpuPagedConnector(GPUConnectorInterface):
     def _layers(self, kwargs: dict[str, Any]) -> list[torch.Tensor]:
         self.initialize_kvcaches_ptr(**kwargs)
         if self.kvcaches is None:
-            raise ValueError("CpuPagedConnector: 'kvcaches' (vLLM's per-layer KV tensors) was never given")
+            raise InputError("CpuPagedConnector: 'kvcaches' (vLLM's per-layer KV tensors) was never given")
         if len(self.kvcaches) != self.num_layers:
-            raise ValueError(f"CpuPagedConnector: {len(self.kvcaches)} KV layers, LMCache expects {self.num_layers}")
+            raise InputError(f"CpuPagedConnector: {len(self.kvcaches)} KV layers, LMCache expects {self.num_layers}")
         layer = self.kvcaches[0]
         if layer.dim() != 4 or layer.shape[1] != self.num_kv_heads or layer.shape[3] != 2 * self.head_size:
-            raise ValueError(f"CpuPagedConnector: KV layer shape {tuple(layer.shape)} is not vLLM's CPU layout "
+            raise InputError(f"CpuPagedConnector: KV layer shape {tuple(layer.shape)} is not vLLM's CPU layout "
                              f"[blocks, {self.num_kv_heads} kv heads, block size, {2 * self.head_size}]")
         return self.kvcaches
 
     @staticmethod
     def _slots(kwargs: dict[str, Any], start: int, end: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
         if "slot_mapping" not in kwargs:
-            raise ValueError("CpuPagedConnector: 'slot_mapping' should be provided in kwargs")
+            raise InputError("CpuPagedConnector: 'slot_mapping' should be provided in kwargs")
         slots = kwargs["slot_mapping"][start:end].to(torch.long)
         return torch.div(slots, block_size, rounding_mode="floor"), slots % block_size
 
@@ -92,7 +94,7 @@ class CpuPagedConnector(GPUConnectorInterface):
         """Copy `memory_obj` into vLLM's blocks for tokens `start:end` (a load), except the leading
         tokens vLLM already has: their blocks may be shared with requests that are running."""
         if memory_obj.metadata.fmt != MemoryFormat.KV_2LTD:
-            raise ValueError(f"CpuPagedConnector: memory object format {memory_obj.metadata.fmt}, expected KV_2LTD")
+            raise InputError(f"CpuPagedConnector: memory object format {memory_obj.metadata.fmt}, expected KV_2LTD")
         layers = self._layers(kwargs)
         skip = min(end - start, max(0, int(kwargs.get("vllm_cached_tokens", 0)) - start))
         if skip == end - start:

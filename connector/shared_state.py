@@ -26,6 +26,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import logging
 import math
 import os
@@ -38,7 +39,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
-from cachescout.policy import CacheScoutPolicy, ConfigError, StateDecodeError, TransitionLearner, TransitionSnapshot
+from cachescout.policy import (CacheScoutPolicy, ConfigError, ExternalError, StateDecodeError, TransitionLearner,
+                               TransitionSnapshot)
 from cachescout.policy.config import check_value, reject_unknown
 from cachescout.policy.core import SHARED_NAME_PREFIX
 from cachescout.policy.state import MAX_BLOB_BYTES
@@ -287,6 +289,9 @@ class SharedLearnedState:
                  replica_suffix: str = "") -> None:
         """`replica_suffix`: tells apart several schedulers of one pod (vLLM data-parallel ranks),
         each of which learns and writes on its own."""
+        if client_factory is connect and importlib.util.find_spec("redis") is None:
+            raise ConfigError("shared_state needs the redis package, which is not installed: "
+                              "pip install 'cachescout[redis]'")
         self.settings = settings
         self.replica = settings.replica_name() + replica_suffix
         self.keys = StateKeys(settings.deployment, settings.model or model)
@@ -333,7 +338,7 @@ class SharedLearnedState:
     # -- scheduler thread ---------------------------------------------------------------------
     def attach(self, policy: CacheScoutPolicy) -> None:
         if policy.learner.half_life != self.half_life:
-            raise ValueError("shared state and policy disagree on transition_half_life")
+            raise ConfigError("shared state and policy disagree on transition_half_life")
         policy.learner.journal = self.record
         self.note_names(policy)
 
@@ -564,7 +569,7 @@ class SharedLearnedState:
     def _adopt_epoch(self, epoch: str) -> None:
         if not _EPOCH.match(epoch):
             # Replicas and `cachescout state reset` write 16 hex digits; a long or odd value is someone else's.
-            raise RuntimeError(f"the deployment's epoch {epoch[:40]!r} is not one CacheScout writes "
+            raise ExternalError(f"the deployment's epoch {epoch[:40]!r} is not one CacheScout writes "
                                "(`cachescout state reset` repairs it)")
         self._epoch = epoch
         self._my_epoch = epoch   # if Redis loses everything, recreate the same epoch, do not reset peers
@@ -576,7 +581,7 @@ class SharedLearnedState:
             self.stats["meta_lost"] += 1
             status, a, b = store.ensure_meta(self.half_life, self.hash_domain, self._epoch or self._my_epoch)
             if status == "mismatch":
-                raise RuntimeError(f"state meta was recreated with {a}={b!r} by another replica")
+                raise ExternalError(f"state meta was recreated with {a}={b!r} by another replica")
             if a == self._epoch:
                 return
             epoch = a

@@ -34,6 +34,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from cachescout.policy import ConfigError
+
 SCHEMA = "v2"   # v2: checksummed blobs (policy/state.py schema 2); v1 replicas and keys are never read
 _NAME = re.compile(r"^[A-Za-z0-9._:/@=+-]{1,128}$")
 NAME_RULE = "1-128 characters from letters, digits and . _ : / @ = + -"
@@ -220,7 +222,7 @@ class StateKeys:
     def __init__(self, deployment: str, model: str) -> None:
         for field, v in (("deployment", deployment), ("model", model)):
             if not isinstance(v, str) or not _NAME.match(v):
-                raise ValueError(f"shared_state.{field} must be {NAME_RULE}, got {v!r}")
+                raise ConfigError(f"shared_state.{field} must be {NAME_RULE}, got {v!r}")
         self.prefix = f"cs:{{{deployment}|{model}}}:{SCHEMA}:"
         self.meta = self.prefix + "meta"
         self.replicas = self.prefix + "replicas"

@@ -52,7 +52,7 @@ compiled_first(__path__)  # noqa: F821 (the package's search path)
 
 from .config import PolicyConfig
 from .core import CacheScoutPolicy, Hints, Observation
-from .errors import CacheScoutError, ConfigError, StateDecodeError
+from .errors import CacheScoutError, ConfigError, ExternalError, InputError, StateDecodeError
 from .eviction import EvictionIndex
 from .fingerprint import AgentFingerprinter, Fingerprint, block_key, block_keys
 from .prefetch import PrefetchAction, PrefetchCandidate, PrefetchPlanner
@@ -62,7 +62,8 @@ from .transitions import END, START, TransitionLearner
 
 __all__ = [
     "END", "START", "AgentFingerprinter", "CacheScoutError", "CacheScoutPolicy", "ConfigError", "EvictionIndex",
-    "Fingerprint", "Hints", "Observation", "PolicyConfig", "PrefetchAction", "PrefetchCandidate", "PrefetchPlanner",
-    "SessionTracker", "StateDecodeError", "TransitionLearner", "TransitionSnapshot", "block_key", "block_keys",
-    "content_chunks", "content_sketch", "sketch_window", "NATIVE", "NATIVE_STATUS",
+    "ExternalError", "Fingerprint", "Hints", "InputError", "Observation", "PolicyConfig", "PrefetchAction",
+    "PrefetchCandidate", "PrefetchPlanner", "SessionTracker", "StateDecodeError", "TransitionLearner",
+    "TransitionSnapshot", "block_key", "block_keys", "content_chunks", "content_sketch", "sketch_window", "NATIVE",
+    "NATIVE_STATUS",
 ]

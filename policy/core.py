@@ -17,6 +17,7 @@ from typing import Any, Final
 
 from .config import PolicyConfig
 from .costs import RebuildCost
+from .errors import ConfigError
 from .eviction import EvictionIndex, Group
 from .fingerprint import AgentFingerprinter, Fingerprint
 from .guard import LruGuard
@@ -489,7 +490,7 @@ class CacheScoutPolicy:
     def absorb(self, snapshot: TransitionSnapshot) -> None:
         """Add another replica's learned counts to the model used for predictions."""
         if snapshot.half_life != self.learner.half_life:
-            raise ValueError(f"snapshot half_life {snapshot.half_life} differs from this policy's "
+            raise ConfigError(f"snapshot half_life {snapshot.half_life} differs from this policy's "
                              f"transition_half_life {self.learner.half_life}")
         self.learner.absorb(snapshot.decayed_rows())
 
@@ -517,7 +518,7 @@ class CacheScoutPolicy:
         The journal hook moves over, and the version jumps so every cached prediction is redone.
         """
         if learner.half_life != self.learner.half_life:
-            raise ValueError(f"learner half_life {learner.half_life} differs from this policy's "
+            raise ConfigError(f"learner half_life {learner.half_life} differs from this policy's "
                              f"transition_half_life {self.learner.half_life}")
         learner.version = self.learner.version + self.cfg.model_refresh_interval + 1
         learner.journal = self.learner.journal

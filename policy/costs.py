@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .config import PolicyConfig
+from .errors import InputError
 
 TIERS = ("cpu", "redis")
 
@@ -24,7 +25,7 @@ class RebuildCost:
         try:
             bandwidth, latency = self._tier[tier]
         except KeyError:
-            raise ValueError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}") from None
+            raise InputError(f"tier must be one of {', '.join(TIERS)}, got {tier!r}") from None
         return latency + blocks * self.block_bytes / bandwidth
 
     def worth_loading(self, tier: str, blocks: int) -> bool:

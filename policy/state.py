@@ -27,7 +27,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import StateDecodeError
+from .errors import ConfigError, StateDecodeError
 from .transitions import TransitionLearner
 
 SCHEMA_VERSION = 2               # 2: CRC-32 trailer
@@ -68,7 +68,7 @@ class TransitionSnapshot:
     def merge(self, other: TransitionSnapshot) -> TransitionSnapshot:
         """Sum of decayed counts. Both sides must decay at the same pace."""
         if self.half_life != other.half_life:
-            raise ValueError(
+            raise ConfigError(
                 f"cannot merge states with different half_life ({self.half_life} and {other.half_life})")
         rows = {src: dict(dsts) for src, dsts in self.rows.items()}
         for src, dsts in other.rows.items():

@@ -15,6 +15,8 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Final
 
+from .errors import ConfigError, InputError
+
 START: Final = "<start>"  # pseudo-agent: a session's first call is a transition out of it
 END: Final = "<end>"      # pseudo-agent: a session that ends makes a transition into it
 
@@ -37,7 +39,7 @@ class TransitionLearner:
 
     def __init__(self, half_life: float = 200.0, confidence_count_scale: float = 8.0) -> None:
         if not (half_life > 0 and math.isfinite(half_life)):
-            raise ValueError(f"half_life must be a positive number, got {half_life!r}")
+            raise ConfigError(f"half_life must be a positive number, got {half_life!r}")
         self.half_life = float(half_life)
         self.confidence_count_scale = float(confidence_count_scale)
         self._growth = 2.0 ** (1.0 / self.half_life)
@@ -128,7 +130,7 @@ class TransitionLearner:
         elif op[0] == "forget":
             self.forget(op[1])
         else:
-            raise ValueError(f"unknown journal entry {op[0]!r}")
+            raise InputError(f"unknown journal entry {op[0]!r}")
 
     # -- reading ------------------------------------------------------------------------------
     def agents(self) -> set[str]:
@@ -202,7 +204,7 @@ class TransitionLearner:
     def reach_within(self, src: str, steps: int) -> list[dict[str, float]]:
         """`reach(src, k)` for k = 1 .. steps, computed together."""
         if steps < 1:
-            raise ValueError(f"steps must be >= 1, got {steps}")
+            raise InputError(f"steps must be >= 1, got {steps}")
         memo: dict[tuple[str, int], dict[str, float]] = {}
         return [self._first_passage(src, k, memo) for k in range(1, steps + 1)]
 

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from cachescout.bench.cli import main
+from cachescout.cli.main import main
 
 
 def test_bench_writes_results_and_plots(tmp_path, capsys):
@@ -108,7 +108,7 @@ def test_engine_vllm_compares_both_engines(tmp_path, capsys):
 def test_help_does_not_import_vllm():
     import subprocess
     import sys
-    code = "import sys; from cachescout.bench.cli import main\ntry: main(['--help'])\nexcept SystemExit: pass\n" \
+    code = "import sys; from cachescout.cli.main import main\ntry: main(['--help'])\nexcept SystemExit: pass\n" \
            "print('vllm' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip().endswith("False False")
@@ -193,6 +193,27 @@ def test_a_reader_that_goes_away_is_not_an_error():
     import subprocess
     import sys
     # `true` reads nothing and is gone before the command writes: every write meets a closed pipe.
-    out = subprocess.run(f"set -o pipefail; {sys.executable} -m cachescout.bench.cli config --cpu-gib 2 | true",
+    out = subprocess.run(f"set -o pipefail; {sys.executable} -m cachescout.cli.main config --cpu-gib 2 | true",
                          shell=True, executable="/bin/bash", capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stderr == "", out.stderr[-500:]
+
+
+def test_a_defect_shows_its_traceback_not_a_one_liner(monkeypatch):
+    # Only errors CacheScout raises on purpose become one line; a plain ValueError is a bug.
+    import cachescout.bench.command as command
+
+    def broken(args):
+        raise ValueError("an internal defect")
+    monkeypatch.setattr(command, "run", broken)
+    with pytest.raises(ValueError, match="an internal defect"):
+        main(["bench", "--quiet"])
+
+
+def test_bench_without_the_benchmark_installed_says_so(monkeypatch, capsys):
+    # The serving image carries the operator commands only.
+    import sys
+    monkeypatch.setitem(sys.modules, "cachescout.bench.command", None)   # an import of it fails
+    assert main(["bench", "--help"]) == 1
+    err = capsys.readouterr().err
+    assert "the benchmark is not installed" in err and err.count("\n") == 1
+    assert main(["config", "--cpu-gib", "1"]) == 0

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from cachescout.bench.cli import main
+from cachescout.cli.main import main
 
 
 def _readable_json(text: str) -> dict:

@@ -1,6 +1,6 @@
 import random
 
-from cachescout.policy import PolicyConfig, SessionTracker, TransitionLearner, content_chunks
+from cachescout.policy import PolicyConfig, SessionTracker, content_chunks
 
 
 def words(seed: int, n: int) -> list[int]:

@@ -46,16 +46,19 @@ def build(root: Path) -> int:
     from mypyc.build import mypycify
     from setuptools import setup
 
+    # The packages installed under `root` (the serving image has no benchmark).
+    compiled = {package: modules for package, modules in COMPILED.items() if (root / package).is_dir()}
+
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     with tempfile.TemporaryDirectory(prefix="cachescout-native-") as tmp:
         # mypyc names modules after their folders: stage the sources as the packages they install as.
         stage = Path(tmp) / "src"
         (stage / "cachescout").mkdir(parents=True)
         (stage / "cachescout" / "__init__.py").write_text("")
-        for package in COMPILED:
+        for package in compiled:
             shutil.copytree(root / package, stage / "cachescout" / package,
                             ignore=shutil.ignore_patterns("_native", "__pycache__", "data"))
-        rel = [f"cachescout/{package}/{m}.py" for package, modules in COMPILED.items() for m in modules]
+        rel = [f"cachescout/{package}/{m}.py" for package, modules in compiled.items() for m in modules]
         lib = Path(tmp) / "lib"
         cwd = Path.cwd()
         try:
@@ -68,7 +71,7 @@ def build(root: Path) -> int:
                   script_args=["-q", "build_ext", "--build-lib", str(lib), "--build-temp", str(Path(tmp) / "obj")])
         finally:
             os.chdir(cwd)
-        for package, modules in COMPILED.items():
+        for package, modules in compiled.items():
             built = sorted((lib / "cachescout" / package).glob("*" + suffix))
             expected = {f"{m}{suffix}" for m in modules}
             if package == "policy":

