@@ -28,7 +28,7 @@ PURE_TESTS := tests/test_policy.py tests/test_eviction.py tests/test_sessions.py
 	tests/test_transitions.py tests/test_guard.py tests/test_prefetch.py tests/test_belady.py tests/test_bound.py tests/test_trace.py \
 	tests/test_connector_vllm.py
 
-.PHONY: bench test microbench state-bench manifests venv tools native clean-venv real-engine real-engine-test
+.PHONY: bench test unit microbench state-bench manifests venv tools native clean-venv real-engine real-engine-test
 
 venv: $(STAMP) $(NATIVE_STAMP)
 	@$(PY) -m pip install -q --no-deps --no-build-isolation -e . >$(VENV)/install.log 2>&1 \
@@ -84,12 +84,17 @@ bench: venv
 	$(VENV)/bin/cachescout bench $(ARGS)
 
 test: venv tools
-	$(VENV)/bin/ruff check -q policy bench connector tests tools deploy/render.py
+	$(VENV)/bin/ruff check -q policy connector cli bench tests tools deploy/render.py
+	$(NATIVE_ENV)/bin/python tools/typecheck.py
 	CACHESCOUT_TOOLS=$(TOOLS) CACHESCOUT_EXPECT_NATIVE=1 $(PY) -m pytest $(ARGS)
 	@echo "again in pure Python: the policy core, the GPU steering, the replay engine, their pinned figures"
 	CACHESCOUT_NATIVE=0 $(PY) -m pytest -q $(PURE_TESTS)
 	@echo "the real engine: vLLM's CPU build serving a real model, with CacheScout and LMCache"
 	$(MAKE) --no-print-directory real-engine-test ARGS=
+
+# The unit tests alone (no redis-server, vLLM, Kubernetes tooling or real engine): a few minutes.
+unit: venv
+	$(PY) -m pytest -m unit $(ARGS)
 
 manifests: tools
 	$(TOOLS)/bin/python deploy/render.py --manifests

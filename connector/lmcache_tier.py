@@ -288,7 +288,7 @@ class Prefetcher:
         if cpu is None or remote is None:
             self.stats["skipped_no_tier"] += 1
             return
-        wanted = []
+        wanted: list[Any] = []
         for start, end, key in engine.token_database.process_tokens(torch.tensor(tokens), request_configs=configs):
             if len(wanted) >= self.max_chunks:
                 break

@@ -520,8 +520,10 @@ class SharedLearnedState:
                 self.stats["meta_created"] += 1
             self._adopt_epoch(a)
         for _ in range(3):
+            epoch = self._epoch
+            assert epoch is not None   # adopted above
             if self._gen is None:
-                status, v = store.register(self.replica, self._epoch, ttl_ms)
+                status, v = store.register(self.replica, epoch, ttl_ms)
                 if status == "epoch":
                     self._epoch_changed(store, v)
                     continue
@@ -532,7 +534,7 @@ class SharedLearnedState:
             own = _renamed(self._shadow.decayed_rows(), self._names)
             blob = TransitionSnapshot.from_rows(self.half_life, own).encode()
             t1 = time.perf_counter()
-            status, v = store.flush(self.replica, self._epoch, self._gen, self._flush_seq, blob, ttl_ms)
+            status, v = store.flush(self.replica, epoch, self._gen, self._flush_seq, blob, ttl_ms)
             self.timings.update(encode_s=t1 - t0, flush_s=time.perf_counter() - t1, blob_bytes=len(blob))
             self.stats[f"flush_{status}"] += 1
             if status in ("ok", "dup"):

@@ -65,7 +65,7 @@ class CacheScoutStats(KVConnectorStats):
     """Counters since the last report, summed across reports (vLLM's connector stats)."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, Any] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.items():
@@ -291,12 +291,13 @@ class CacheScoutConnector(KVConnectorBase_V1):
         """Anchors of agents that just became likely enough to be called next (each once per
         crossing of the thresholds, so a steady prediction is not re-sent every rescoring)."""
         cfg = self.policy.cfg
+        assert self._steering is not None   # the scheduler side, where prefetches are planned
+        anchors = self._steering.anchors
         likely = {a for a, (p, conf) in probs.items()
-                  if p >= cfg.prefetch_min_probability and conf >= cfg.prefetch_min_confidence
-                  and a in self._steering.anchors}
+                  if p >= cfg.prefetch_min_probability and conf >= cfg.prefetch_min_confidence and a in anchors}
         new = likely - self._prefetch_sent
         self._prefetch_sent = likely
-        return [self._steering.anchors[a] for a in sorted(new)]
+        return [anchors[a] for a in sorted(new)]
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._open_requests = max(0, self._open_requests - 1)
@@ -326,7 +327,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
         if t - self._reported_at < 1.0 and self._open_requests:
             return None
         self._reported_at = t
-        now = dict(self._steering.stats)
+        now: dict[str, float] = dict(self._steering.stats)
         for k in ("predictions", "predictions_correct", "requests", "recognised"):
             now[k] = self.policy.stats.get(k, 0)
         now["decision_s"] = self._decision_s

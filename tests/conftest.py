@@ -145,3 +145,25 @@ def redis_server():
     server = RedisServer()
     yield server
     server.stop()
+
+
+# -- what each test needs, as markers (`make unit`: only the unit tests, a few minutes) ------------------
+_VLLM_MODULES = {"test_connector_vllm", "test_lmcache_tier", "test_lmcache_cpu"}   # vLLM's or LMCache's code
+_REDIS_MODULES = {"test_shared_state", "test_shared_state_deploy"}                 # a real redis-server
+_DEPLOY_MODULES = {"test_deploy"}                                                  # Helm's SDK, validators
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rpartition(".")[2] if item.module else ""
+        needs = set()
+        if "real_engine" in str(item.path):
+            needs.add("real_engine")
+        if module in _DEPLOY_MODULES:
+            needs.add("deploy")
+        if module in _VLLM_MODULES or "vllm" in item.name:
+            needs.add("vllm")
+        if module in _REDIS_MODULES or "redis_server" in getattr(item, "fixturenames", ()):
+            needs.add("redis")
+        for name in needs or {"unit"}:
+            item.add_marker(name)
