@@ -95,7 +95,7 @@ def _filled_policy(agents: int = 50, blocks: int = 100_000, sessions: int = 2000
     names = [f"agent{i}" for i in range(agents)]
     for _ in range(20 * agents):  # a learned chain with a few likely successors per agent
         a = rng.choice(names)
-        policy.learner.update(a, names[(names.index(a) + rng.choice((1, 1, 2, 3))) % agents])
+        policy.learn_transition(a, names[(names.index(a) + rng.choice((1, 1, 2, 3))) % agents])
     anchors = {a: [rng.getrandbits(62) for _ in range(40)] for a in names}
     ctx_blocks = (blocks - agents * 40) // sessions
     rid = 0
@@ -115,16 +115,17 @@ def _filled_policy(agents: int = 50, blocks: int = 100_000, sessions: int = 2000
 
 
 def bench_victims() -> dict:
-    policy = _filled_policy()
-    free = policy.index.n_free
-    out = {"free_blocks": free, "groups": sum(1 for _ in policy.index.groups())}
+    parts = _filled_policy().inspect()
+    free = parts.index.n_free
+    out = {"free_blocks": free, "groups": sum(1 for _ in parts.index.groups())}
     t0 = time.perf_counter_ns()
-    policy.scorer.invalidate()
-    policy.scorer.score(policy.index)
+    parts.scorer.invalidate()
+    parts.scorer.score(parts.index)
     out["rescore_ms"] = (time.perf_counter_ns() - t0) / 1e6
     for batch in (1, 16, 64):
         p = _filled_policy()
-        p.scorer.score(p.index)
+        parts = p.inspect()
+        parts.scorer.score(parts.index)
         now = 1e3
         p.evict(1, now)  # build the per-step heap once, as the first eviction of a step does
         samples = []
@@ -134,7 +135,8 @@ def bench_victims() -> dict:
             samples.append((time.perf_counter_ns() - t0) / max(1, len(got)))
         out[f"victim_batch{batch}_median_us"] = _median_us(samples)
     p = _filled_policy()
-    p.scorer.score(p.index)
+    parts = p.inspect()
+    parts.scorer.score(parts.index)
     t0 = time.perf_counter_ns()
     p.evict(1, 2e3)
     out["first_victim_of_a_step_ms"] = (time.perf_counter_ns() - t0) / 1e6
@@ -144,7 +146,7 @@ def bench_victims() -> dict:
 def bench_prefetch() -> float:
     policy = _filled_policy(sessions=200, blocks=200 * 40 + 50 * 40)
     where = {}
-    for rec in policy.fingerprints.agents():
+    for rec in policy.inspect().fingerprints.agents():
         for k in rec.anchor_path:
             where[k] = "cpu"
     samples = []
@@ -173,7 +175,7 @@ def bench_memory(agents: int) -> float:
             rid += 1
     used = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
-    assert len(policy.fingerprints.agents()) >= agents * 0.9, "agents were not recognised"
+    assert len(policy.inspect().fingerprints.agents()) >= agents * 0.9, "agents were not recognised"
     return used / agents
 
 

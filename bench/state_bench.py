@@ -145,7 +145,7 @@ def _hostile_run(r, url: str, deployment: str, shape: str, blob: bytes, entries:
             t0 = time.perf_counter()
             time.sleep(0.001)                  # the forward pass: the GIL is free
             for _ in range(50):                # a little Python per step
-                policy.learner.probability(START, END)
+                policy.predict_next(START)
             steps.append((time.perf_counter() - t0 - 0.001) * 1000)
 
     t = threading.Thread(target=scheduler, daemon=True)
@@ -186,19 +186,19 @@ def cost(url: str, agent_counts: Sequence[int] = (10, 100, 1000), replicas: int 
         fleet = [_replica(url, f"cost-{n}", f"r{i}") for i in range(replicas)]
         for policy, _ in fleet:   # every replica sees every agent and its successors a few times
             for a in names:
-                policy.learner.update(START, a)
+                policy.learn_transition(START, a)
                 for b in succ[a]:
-                    policy.learner.update(a, b)
+                    policy.learn_transition(a, b)
         samples: dict[str, list[float]] = {}
         for r in range(rounds + 1):
             for i, (policy, shared) in enumerate(fleet):
                 for a in rng.sample(names, min(20, n)):   # some new traffic between rounds
-                    policy.learner.update(a, rng.choice(succ[a]))
+                    policy.learn_transition(a, rng.choice(succ[a]))
                 t0 = time.perf_counter()
                 assert shared.sync_now(), shared.status()
                 total = time.perf_counter() - t0
                 t1 = time.perf_counter()
-                policy.learner.update(names[0], succ[names[0]][0])   # one update to replay at install
+                policy.learn_transition(names[0], succ[names[0]][0])   # one update to replay at install
                 installed = shared.on_step(policy)
                 install = time.perf_counter() - t1
                 if r == 0 and i < replicas - 1:
@@ -210,7 +210,7 @@ def cost(url: str, agent_counts: Sequence[int] = (10, 100, 1000), replicas: int 
                                ("install_s", install if installed else float("nan"))):
                     samples.setdefault(f"{kind}_{key}", []).append(v)
                 samples.setdefault("blob_bytes", []).append(t["blob_bytes"])
-        cells = sum(len(r) for r in fleet[0][0].learner.decayed_rows().values())
+        cells = sum(len(r) for r in fleet[0][0].inspect().learner.decayed_rows().values())
         row = {"agents": n, "replicas": replicas, "transitions_per_replica": cells,
                "blob_bytes": int(statistics.median(samples["blob_bytes"]))}
         for key, vals in samples.items():

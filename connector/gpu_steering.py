@@ -341,12 +341,12 @@ class GpuSteering:
         """May the last placement stand? Yes while the policy's order is unchanged, and also while
         only blocks were freed since (no rescoring) for up to one rescoring interval: a block freed
         meanwhile waits at most that long to be ranked, as the scores themselves do."""
-        index = self.policy.index
-        if index.version == self._placed_version:
+        policy = self.policy
+        if policy.order_version == self._placed_version:
             return True
         if self.refresh_s is None:
             return False
-        return index.epoch == self._placed_epoch and now - self._placed_time < self.refresh_s
+        return policy.rescore_epoch == self._placed_epoch and now - self._placed_time < self.refresh_s
 
     def _steer(self, need: int, now: float) -> None:
         """Put the policy's next victims at the head of the free queue, behind its empty blocks."""
@@ -396,8 +396,8 @@ class GpuSteering:
                 break
         self._placed = victims
         self._placed_at = dict(zip(map(_block_id, victims), itertools.count()))
-        self._placed_version = self.policy.index.version
-        self._placed_epoch = self.policy.index.epoch
+        self._placed_version = self.policy.order_version
+        self._placed_epoch = self.policy.rescore_epoch
         self._placed_time = now
         if not victims:
             return

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from cachescout.policy import ConfigError, PolicyConfig
-from cachescout.policy.config import check_value
+from cachescout.policy import check_value
 
 from .shared_state import SharedStateSettings
 

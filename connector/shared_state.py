@@ -6,7 +6,7 @@
 How the counts flow (one `SharedLearnedState` per replica, on the scheduler side):
 
     scheduler thread                          background thread ("cachescout-state")
-    policy.learner.update() --journal--> ops ---> shadow learner (this replica's own counts)
+    chain updates --set_journal--> ops ---> shadow learner (this replica's own counts)
                                                     every flush_interval_s:
                                                       write own absolute counts  (state_store.py)
                                                       read peers' and departed counts
@@ -39,10 +39,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
-from cachescout.policy import (CacheScoutPolicy, ConfigError, ExternalError, StateDecodeError, TransitionLearner,
-                               TransitionSnapshot)
-from cachescout.policy.config import check_value, reject_unknown
-from cachescout.policy.core import SHARED_NAME_PREFIX
+from cachescout.policy import (SHARED_NAME_PREFIX, CacheScoutPolicy, ConfigError, ExternalError, StateDecodeError,
+                               TransitionLearner, TransitionSnapshot, check_value, reject_unknown)
 from cachescout.policy.state import MAX_BLOB_BYTES
 
 from .state_store import NAME_RULE, SCHEMA, StateKeys, StateStore, StoreView
@@ -337,15 +335,15 @@ class SharedLearnedState:
 
     # -- scheduler thread ---------------------------------------------------------------------
     def attach(self, policy: CacheScoutPolicy) -> None:
-        if policy.learner.half_life != self.half_life:
+        if policy.half_life != self.half_life:
             raise ConfigError("shared state and policy disagree on transition_half_life")
-        policy.learner.journal = self.record
+        policy.set_journal(self.record)
         self.note_names(policy)
 
     def note_names(self, policy: CacheScoutPolicy) -> None:
         """Refresh the names agents are shared under (scheduler thread; the dict is swapped whole).
         on_step does it whenever an anchor was learned or changed."""
-        self._names_version = policy.fingerprints.anchors_version
+        self._names_version = policy.names_version
         self._names = policy.shared_names()
 
     def record(self, op: tuple) -> None:
@@ -357,7 +355,7 @@ class SharedLearnedState:
 
     def on_step(self, policy: CacheScoutPolicy) -> bool:
         """Once per scheduler step: swap in a merged model if one is ready. True when installed."""
-        if policy.fingerprints.anchors_version != self._names_version:
+        if policy.names_version != self._names_version:
             self.note_names(policy)
         pub = self._published
         if pub is None:

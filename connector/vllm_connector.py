@@ -272,7 +272,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
             meta = CacheScoutMetadata()
             # Workers get the agents' scores after a rescoring, at most once a second (LMCache's
             # CPU tier changes on that scale; computing them costs a pass over live sessions).
-            epoch = self.policy.index.epoch
+            epoch = self.policy.rescore_epoch
             now = steering.clock()
             if epoch != self._scores_epoch and now - self._scores_sent_at >= _SCORES_INTERVAL_S and not self._failed:
                 self._scores_epoch = epoch

@@ -50,8 +50,8 @@ def compiled_first(package_path: list[str]) -> None:
 NATIVE, NATIVE_STATUS = _compiled_build()
 compiled_first(__path__)  # noqa: F821 (the package's search path)
 
-from .config import PolicyConfig
-from .core import CacheScoutPolicy, Hints, Observation
+from .config import PolicyConfig, check_value, reject_unknown
+from .core import SHARED_NAME_PREFIX, CacheScoutPolicy, Hints, Observation, PolicyInternals
 from .errors import CacheScoutError, ConfigError, ExternalError, InputError, StateDecodeError
 from .eviction import EvictionIndex
 from .fingerprint import AgentFingerprinter, Fingerprint, block_key, block_keys
@@ -61,9 +61,9 @@ from .state import TransitionSnapshot
 from .transitions import END, START, TransitionLearner
 
 __all__ = [
-    "END", "START", "AgentFingerprinter", "CacheScoutError", "CacheScoutPolicy", "ConfigError", "EvictionIndex",
-    "ExternalError", "Fingerprint", "Hints", "InputError", "Observation", "PolicyConfig", "PrefetchAction",
-    "PrefetchCandidate", "PrefetchPlanner", "SessionTracker", "StateDecodeError", "TransitionLearner",
-    "TransitionSnapshot", "block_key", "block_keys", "content_chunks", "content_sketch", "sketch_window", "NATIVE",
-    "NATIVE_STATUS",
+    "END", "SHARED_NAME_PREFIX", "START", "AgentFingerprinter", "CacheScoutError", "CacheScoutPolicy", "ConfigError",
+    "EvictionIndex", "ExternalError", "Fingerprint", "Hints", "InputError", "Observation", "PolicyConfig",
+    "PolicyInternals", "PrefetchAction", "PrefetchCandidate", "PrefetchPlanner", "SessionTracker", "StateDecodeError",
+    "TransitionLearner", "TransitionSnapshot", "block_key", "block_keys", "check_value", "content_chunks",
+    "content_sketch", "reject_unknown", "sketch_window", "NATIVE", "NATIVE_STATUS",
 ]

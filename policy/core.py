@@ -25,15 +25,13 @@ from .prefetch import Locate, PrefetchAction, PrefetchCandidate, PrefetchPlanner
 from .scorer import SurvivalScorer
 from .sessions import SessionTracker
 from .state import TransitionSnapshot
-from .transitions import END, START, TransitionLearner
+from .traffic import Traffic
+from .transitions import END, START, LearnerRef, TransitionLearner
 
 HINT_KEYS = {"agent": "cachescout.agent", "session": "cachescout.session_id", "next_agent": "cachescout.next_agent"}
 _MAX_HINT_LEN: Final = 256
 SHARED_NAME_PREFIX = "anchor-"   # agents' names in the shared state (`shared_names`)
-_EMA: Final = 0.02
-_DEAD_DECAY: Final = 0.995      # per expired session
 _RESAMPLE_AFTER: Final = 64      # requests after which the guard's sampling is set by their size
-_DEAD_MIN_BLOCKS: Final = 256.0  # dead blocks counted before their reuse is judged
 # Prefetch precision: prefetched blocks used before eviction, decayed per block judged. Below the
 # bar (one in two), a wrong prefetch (a displaced block that may need a recompute) costs more than a
 # right one saves (a load's latency): prefetch only one planning round in `_PREFETCH_PROBE`, so a
@@ -87,6 +85,22 @@ class Observation:
     fingerprint: Fingerprint
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class PolicyInternals:
+    """The policy's components, for tests and the microbench to read (`CacheScoutPolicy.inspect`).
+    Nothing on the serving path goes through it; a test that sets up a state through it says so."""
+
+    learner: TransitionLearner
+    fingerprints: AgentFingerprinter
+    sessions: SessionTracker
+    index: EvictionIndex
+    scorer: SurvivalScorer
+    traffic: Traffic
+    guard: LruGuard
+    planner: PrefetchPlanner
+    cost: RebuildCost
+
+
 @dataclasses.dataclass(slots=True)
 class _Live:
     obs: Observation
@@ -99,14 +113,15 @@ class CacheScoutPolicy:
                  max_pending: int = 4096) -> None:
         self.cfg = cfg = config or PolicyConfig()
         self.clock = clock
-        self.learner = TransitionLearner(cfg.transition_half_life, cfg.confidence_count_scale)
-        self.fingerprints = AgentFingerprinter(cfg)
-        self.sessions = SessionTracker(cfg, self.learner)
-        self.cost = RebuildCost(cfg)
-        self.index = EvictionIndex()
-        self.scorer = SurvivalScorer(cfg, self.learner, self.sessions, self.cost)
-        self.planner = PrefetchPlanner(cfg, self.cost)
-        self.guard = LruGuard()
+        self._chain = LearnerRef(TransitionLearner(cfg.transition_half_life, cfg.confidence_count_scale))
+        self._fingerprints = AgentFingerprinter(cfg)
+        self._sessions = SessionTracker(cfg)
+        self._cost = RebuildCost(cfg)
+        self._index = EvictionIndex()
+        self._traffic = Traffic()
+        self._scorer = SurvivalScorer(cfg, self._chain, self._sessions, self._cost, self._traffic)
+        self._planner = PrefetchPlanner(cfg, self._cost)
+        self._guard = LruGuard()
         self._prefetched: dict[Hashable, None] = {}   # prefetched blocks not yet used or evicted
         self._prefetch_used = 0.0                      # decayed counts of those judged
         self._prefetch_judged = 0.0
@@ -115,7 +130,6 @@ class CacheScoutPolicy:
         self._aliases: dict[str, str] = {}        # inferred agent id -> hinted name for it
         self._next_hint: dict[Hashable, str] = {}  # session -> agent it will call next (hinted)
         self._pending: deque = deque()
-        self._gap_samples = 0
         self._overdue_at = float("-inf")
         # Session -> agent -> block keys of its latest prompt (and output) under that agent: what
         # its next call to that agent reuses, for context prefetch.
@@ -123,8 +137,6 @@ class CacheScoutPolicy:
         self._max_pending = max_pending
         self._prompt_blocks = 0    # blocks and requests admitted, until the guard's sampling is set
         self._admitted = 0
-        self._dead_blocks = 0.0    # blocks of contexts whose session expired (decayed) ...
-        self._dead_reused = 0.0    # ... and hits on such blocks since
         self.stats: Counter[str] = Counter()
 
     # -- requests -----------------------------------------------------------------------------
@@ -153,10 +165,10 @@ class CacheScoutPolicy:
         (trace files carry that instead of tokens). Either lets calls be linked into sessions."""
         now = self.clock() if now is None else now
         self._expire(now)
-        fp = self.fingerprints.observe(block_hashes)
-        for gone in self.fingerprints.retired:
-            self.learner.forget(self._aliases.pop(gone, gone))
-        self.fingerprints.retired.clear()
+        fp = self._fingerprints.observe(block_hashes)
+        for gone in self._fingerprints.retired:
+            self._chain.learner.forget(self._aliases.pop(gone, gone))
+        self._fingerprints.retired.clear()
 
         agent = fp.agent
         if agent is not None:
@@ -170,35 +182,32 @@ class CacheScoutPolicy:
         bs = self.cfg.block_size
         own_start = fp.anchor_blocks if fp.agent else fp.preamble_blocks
         start = max(own_start, fp.matched_blocks) * bs
-        a = self.sessions.assign(now, agent, hint=hints.session if hints else None, continues=fp.continues,
+        a = self._sessions.assign(now, agent, hint=hints.session if hints else None, continues=fp.continues,
                                  candidates=fp.candidates, tokens=tokens, sketch=content, content_start=start)
         s = a.session
         if fp.matched_blocks > own_start and a.evidence != "continuation":
             # Past the anchor, this prompt repeats what another session sent (the same task text):
             # that text is no evidence for either session.
-            self.sessions.mark_shared(own_start * bs, start, tokens=tokens, sketch=content)
-        if a.previous_call_at is not None and now > a.previous_call_at:
-            self.scorer.step_s += _EMA * ((now - a.previous_call_at) - self.scorer.step_s)
-            self._gap_samples += 1
-        self.scorer.new_session_share += _EMA * ((1.0 if a.new else 0.0) - self.scorer.new_session_share)
-        if a.new:
-            self.scorer.note_new_session(now)
-        elif a.previous_agent is not None and s.last_finish_at and s.in_flight == 1:
-            self.scorer.think.note(a.previous_agent, now - s.last_finish_at)
+            self._sessions.mark_shared(own_start * bs, start, tokens=tokens, sketch=content)
+        traffic = self._traffic
+        traffic.call_opened(now, a.new, a.previous_call_at)
+        if not a.new and a.previous_agent is not None and s.last_finish_at and s.in_flight == 1:
+            traffic.waited(a.previous_agent, now - s.last_finish_at)
 
         src = START if a.new else a.previous_agent
         predicted = None
         if src is not None:
-            probs = self.learner.probabilities(src)
+            learner = self._chain.learner
+            probs = learner.probabilities(src)
             if probs:
                 predicted = max(probs.items(), key=lambda kv: (kv[1], kv[0]))[0]
             if agent is not None:
                 self.stats["predictions"] += 1
                 self.stats["predictions_correct"] += predicted == agent
-                self.learner.update(src, agent)
-        self.fingerprints.set_owner(fp.leaf, s.sid)
+                learner.update(src, agent)
+        self._fingerprints.set_owner(fp.leaf, s.sid)
         if agent is not None and fp.agent is not None:
-            self.scorer.current_anchor[agent] = fp.anchor_node
+            traffic.anchor_in_use(agent, fp.anchor_node)
             s.anchor_nodes[agent] = fp.anchor_node
         if hints is not None and hints.next_agent is not None:
             self._next_hint[s.sid] = hints.next_agent
@@ -208,7 +217,7 @@ class CacheScoutPolicy:
         self._live[request_id] = _Live(obs, now, None)
         self.stats["requests"] += 1
         if self.stats["requests"] % 512 == 0:
-            self.index.prune_groups()
+            self._index.prune_groups()
             for live in self._live.values():
                 live.context = None   # may have been pruned: look it up again
         self.stats["recognised"] += agent is not None
@@ -222,45 +231,43 @@ class CacheScoutPolicy:
         live = self._live.pop(request_id, None)
         if live is not None:
             now = self.clock() if now is None else now
-            self.scorer.duration.note(live.obs.agent, now - live.started_at)
-            self.sessions.finished(live.obs.session, now, output_tokens, output_chunks)
+            self._traffic.call_took(live.obs.agent, now - live.started_at)
+            self._sessions.finished(live.obs.session, now, output_tokens, output_chunks)
 
     def observation(self, request_id: Hashable) -> Observation | None:
         live = self._live.get(request_id)
         return None if live is None else live.obs
 
     def _expire(self, now: float) -> None:
-        for s in self.sessions.expire(now, self.scorer.step_s if self._gap_samples >= 32 else None):
+        for s in self._sessions.expire(now, self._traffic.known_step_s()):
             self._next_hint.pop(s.sid, None)
             self._context_keys.pop(s.sid, None)
             self._note_dead(s)
             if s.agent is not None and not s.over:
-                self.learner.update(s.agent, END)
+                self._chain.learner.update(s.agent, END)
         # A session idle far past its agent's usual wait has most likely ended: the chain learns
         # that now (the session is kept until it expires, in case it calls again after all).
         if now - self._overdue_at >= self.cfg.rescore_interval_s:
             self._overdue_at = now
-            patience, shortest = self.scorer.patience()
-            for s in self.sessions.overdue(now, patience, shortest):
+            patience, shortest = self._scorer.patience()
+            for s in self._sessions.overdue(now, patience, shortest):
                 if s.agent is not None:
-                    self.learner.update(s.agent, END)
+                    self._chain.learner.update(s.agent, END)
 
     def _note_dead(self, s: Any) -> None:
         """Session `s` expired: its contexts' blocks are presumed dead from now on (counted, to
         learn how often such blocks are hit again after all)."""
         blocks = 0
         for agent in (None, *s.called):
-            g = self.index.get_group(("ctx", s.sid, agent))
+            g = self._index.get_group(("ctx", s.sid, agent))
             if g is not None:
                 blocks += g.n_blocks
         if blocks:
-            self._dead_blocks = self._dead_blocks * _DEAD_DECAY + blocks
-            self._dead_reused *= _DEAD_DECAY
-            self._judge_dead()
+            self._traffic.contexts_expired(blocks)
 
     def _note_dead_hits(self, block_keys: Sequence[Hashable], num_cached: int) -> None:
         """Hits on blocks of expired sessions' contexts (deepest first: they follow their prefix)."""
-        index, get = self.index, self.sessions.get
+        index, get = self._index, self._sessions.get
         reused = 0
         for i in range(num_cached - 1, -1, -1):
             b = index.block(block_keys[i])
@@ -271,14 +278,7 @@ class CacheScoutPolicy:
                 break
             reused += 1
         if reused:
-            self._dead_reused += reused
-            self._judge_dead()
-
-    def _judge_dead(self) -> None:
-        # A chat whose next turn arrives as a new session reuses what "died": there the contexts of
-        # expired sessions keep LRU order; a workflow that ran its course does not.
-        if self._dead_blocks >= _DEAD_MIN_BLOCKS:
-            self.scorer.dead_reuse = min(1.0, self._dead_reused / self._dead_blocks)
+            self._traffic.expired_contexts_hit(reused)
 
     # -- KV blocks of the GPU tier ------------------------------------------------------------
     def admit_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable], num_cached: int,
@@ -288,12 +288,12 @@ class CacheScoutPolicy:
         prompt ends on a block boundary: vLLM always computes the last token), for the LRU guard's
         comparison; default `block_keys`."""
         live = self._live.get(request_id)
-        index = self.index
+        index = self._index
         self._prompt_blocks += len(block_keys)
         self._admitted += 1
         if self._admitted == _RESAMPLE_AFTER:
-            self.guard.resample(self._prompt_blocks / self._admitted)
-        self.guard.accessed(block_keys, num_cached, None if hittable is None else len(hittable))
+            self._guard.resample(self._prompt_blocks / self._admitted)
+        self._guard.accessed(block_keys, num_cached, None if hittable is None else len(hittable))
         if num_cached:
             self._note_dead_hits(block_keys, num_cached)
         if live is None:
@@ -333,10 +333,10 @@ class CacheScoutPolicy:
             group = live.context
             if group is None:
                 group = live.context = self._groups_for(live.obs)[2]
-        add = self.index.add
+        add = self._index.add
         for key in block_keys:
             add(key, group)
-        self.guard.filled(block_keys)
+        self._guard.filled(block_keys)
         if live is not None and live.obs.agent is not None:
             keys = self._context_keys.get(live.obs.session, {}).get(live.obs.agent)
             if keys is not None:
@@ -344,7 +344,7 @@ class CacheScoutPolicy:
 
     def _groups_for(self, obs: Observation) -> tuple[Group | None, Group | None, Group]:
         fp = obs.fingerprint
-        index = self.index
+        index = self._index
         pre = index.group(("pre", fp.preamble_node), "preamble") if fp.preamble_blocks else None
         anc = None
         if obs.agent is not None and fp.agent is not None and fp.anchor_blocks > fp.preamble_blocks:
@@ -359,18 +359,18 @@ class CacheScoutPolicy:
         `session` that session's context under `agent`. Blocks already filed keep their group."""
         group = None
         if session is not None:
-            group = self.index.get_group(("ctx", session, agent))
+            group = self._index.get_group(("ctx", session, agent))
         elif agent is not None:
-            rec = self.fingerprints.agent({v: k for k, v in self._aliases.items()}.get(agent, agent))
+            rec = self._fingerprints.agent({v: k for k, v in self._aliases.items()}.get(agent, agent))
             if rec is not None and rec.anchor_node:
-                group = self.index.get_group(("anchor", agent, rec.anchor_node))
+                group = self._index.get_group(("anchor", agent, rec.anchor_node))
         pending = self._prefetched
-        self.guard.loaded(keys)
+        self._guard.loaded(keys)
         for key in keys:
-            self.index.add(key, group)
+            self._index.add(key, group)
             if len(pending) < _PREFETCH_PENDING_MAX:
                 pending[key] = None
-        self.index.release(keys, self.clock() if now is None else now)
+        self._index.release(keys, self.clock() if now is None else now)
 
     def _judge_prefetch(self, keys: Sequence[Hashable], used: bool) -> None:
         pending = self._prefetched
@@ -388,53 +388,53 @@ class CacheScoutPolicy:
 
     def blocks_freed(self, keys: Sequence[Hashable], now: float | None = None) -> None:
         """Blocks whose reference count dropped to zero (still cached, now evictable)."""
-        self.index.release(keys, self.clock() if now is None else now)
-        self.guard.released(keys)
+        self._index.release(keys, self.clock() if now is None else now)
+        self._guard.released(keys)
 
     def blocks_reused(self, keys: Sequence[Hashable]) -> None:
         """Free cached blocks a request hit: no longer evictable."""
-        self.index.acquire(keys)
+        self._index.acquire(keys)
         if self._prefetched:
             self._judge_prefetch(keys, True)
 
     def blocks_evicted(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
-            self.index.discard(key)
-        self.guard.evicted(keys)
+            self._index.discard(key)
+        self._guard.evicted(keys)
         if self._prefetched:
             self._judge_prefetch(keys, False)
 
     def block_backed(self, key: Hashable, backed: bool = True) -> None:
         """A lower tier now holds (or lost) a copy of this block."""
-        self.index.set_backed(key, backed)
+        self._index.set_backed(key, backed)
 
     # -- decisions ----------------------------------------------------------------------------
     def victims(self, n: int, now: float | None = None) -> list[Hashable]:
         """The next `n` free blocks to evict, coldest first. Reads state only."""
         now = self.clock() if now is None else now
-        self.scorer.score(self.index, self._next_hint, self.guard.trust, now)
-        return self.index.victims(n, now)
+        self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
+        return self._index.victims(n, now)
 
     def evict(self, n: int, now: float | None = None) -> list[Hashable]:
         """Remove and return the next `n` victims."""
         now = self.clock() if now is None else now
-        self.scorer.score(self.index, self._next_hint, self.guard.trust, now)
-        out = self.index.evict(n, now)
-        self.guard.evicted(out)
+        self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
+        out = self._index.evict(n, now)
+        self._guard.evicted(out)
         if self._prefetched:
             self._judge_prefetch(out, False)
         return out
 
     def confidence(self) -> float:
-        return self.scorer.confidence()
+        return self._scorer.confidence()
 
     def next_agent_probabilities(self) -> dict[str, tuple[float, float]]:
         """Per agent (by its hinted name where it has one): (probability that a live or arriving
         session calls it next, the model's confidence in that); hinted next agents are certain.
         The confidence carries the guard's trust: where acting on the model loses to LRU, nothing
         built on its predictions (prefetches, the CPU tier's ranking) acts either."""
-        trust = self.guard.trust
-        probs = self.scorer.next_call_probabilities()
+        trust = self._guard.trust
+        probs = self._scorer.next_call_probabilities()
         if trust < 1.0:
             probs = {a: (p, conf * trust) for a, (p, conf) in probs.items()}
         for nxt in self._next_hint.values():
@@ -453,46 +453,88 @@ class CacheScoutPolicy:
         inverse = {v: k for k, v in self._aliases.items()}
         candidates = []
         for agent, (p, conf) in probs.items():
-            rec = self.fingerprints.agent(inverse.get(agent, agent))
+            rec = self._fingerprints.agent(inverse.get(agent, agent))
             if rec is not None and rec.anchor_blocks:
                 candidates.append(PrefetchCandidate(agent, p, rec.anchor_path, conf))
         # Contexts: a session about to call again will reuse its context under its next agent.
-        link = self.scorer.session_links()
-        self.scorer.score(self.index, self._next_hint, self.guard.trust, now)
+        link = self._scorer.session_links()
+        self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
         # A context prefetched from the CPU tier saves only its load time, while the block it
         # displaces may cost a recompute: prefetch into room that is predicted dead only.
-        victim = self.index.next_victim_group(now) if self.index.n_free else None
-        room = victim is None or (victim.conf > 0 and victim.model >= self.scorer.dead_model - 1e-9)
-        for s in self.sessions:
+        victim = self._index.next_victim_group(now) if self._index.n_free else None
+        room = victim is None or (victim.conf > 0 and victim.model >= self._scorer.dead_model - 1e-9)
+        for s in self._sessions:
             contexts = self._context_keys.get(s.sid)
             if not contexts or s.agent is None or s.in_flight:
                 continue
-            t_next, alive = self.scorer.next_call_in(s, now)
+            t_next, alive = self._scorer.next_call_in(s, now)
             if t_next > self.cfg.prefetch_lead_s or alive < 0.5:
                 continue
             hinted = self._next_hint.get(s.sid)
-            reach, conf = self.scorer.row(s.agent)
+            reach, conf = self._scorer.row(s.agent)
             for agent, keys in contexts.items():
-                p = 1.0 if hinted == agent else self.learner.probability(s.agent, agent) * alive
-                c = 1.0 if hinted == agent else conf * link * self.guard.trust
+                p = 1.0 if hinted == agent else self._chain.learner.probability(s.agent, agent) * alive
+                c = 1.0 if hinted == agent else conf * link * self._guard.trust
                 if p >= self.cfg.prefetch_min_probability and room:
                     candidates.append(PrefetchCandidate(agent, p, keys, c, s.sid))
-        return self.planner.plan(candidates, locate, inflight_bytes)
+        return self._planner.plan(candidates, locate, inflight_bytes)
 
     def predict_next(self, agent: str) -> list[tuple[str, float]]:
         """The chain's distribution of the agent called after `agent`, most likely first."""
-        return sorted(self.learner.probabilities(agent).items(), key=lambda kv: (-kv[1], kv[0]))
+        return sorted(self._chain.learner.probabilities(agent).items(), key=lambda kv: (-kv[1], kv[0]))
+
+    # -- what the connector and the shared state read -----------------------------------------
+    @property
+    def order_version(self) -> int:
+        """Moves whenever the eviction order may have changed; between two reads that agree only
+        time has passed (a placement of victims may stand)."""
+        return self._index.version
+
+    @property
+    def rescore_epoch(self) -> int:
+        """Moves with every rescoring (the agents' scores may have changed)."""
+        return self._index.epoch
+
+    @property
+    def names_version(self) -> int:
+        """Moves whenever an anchor was learned or changed (`shared_names` may then differ)."""
+        return self._fingerprints.anchors_version
+
+    @property
+    def half_life(self) -> float:
+        """The learned chain's half-life in updates (`transition_half_life`)."""
+        return self._chain.learner.half_life
+
+    def set_journal(self, journal: Callable[[tuple], None] | None) -> None:
+        """Report every change of the learned chain to `journal` (one tuple per change, on the
+        caller's thread; `TransitionLearner.replay` applies one). It stays on across
+        `install_learner`."""
+        self._chain.learner.journal = journal
+
+    def learn_transition(self, src: str, dst: str) -> None:
+        """Teach the chain that `dst` followed `src` (what `observe` does for a recognised call):
+        for tools that seed a model, and tests."""
+        self._chain.learner.update(src, dst)
+
+    def transitions(self) -> list[tuple[str, str, float]]:
+        """The learned chain's edges (source, destination, decayed count)."""
+        return list(self._chain.learner.edges())
+
+    def inspect(self) -> PolicyInternals:
+        """The components as they are now, for tests and the microbench (see `PolicyInternals`)."""
+        return PolicyInternals(self._chain.learner, self._fingerprints, self._sessions, self._index, self._scorer,
+                               self._traffic, self._guard, self._planner, self._cost)
 
     # -- shared state -------------------------------------------------------------------------
     def snapshot(self) -> TransitionSnapshot:
-        return TransitionSnapshot.of(self.learner)
+        return TransitionSnapshot.of(self._chain.learner)
 
     def absorb(self, snapshot: TransitionSnapshot) -> None:
         """Add another replica's learned counts to the model used for predictions."""
-        if snapshot.half_life != self.learner.half_life:
+        if snapshot.half_life != self._chain.learner.half_life:
             raise ConfigError(f"snapshot half_life {snapshot.half_life} differs from this policy's "
-                             f"transition_half_life {self.learner.half_life}")
-        self.learner.absorb(snapshot.decayed_rows())
+                             f"transition_half_life {self._chain.learner.half_life}")
+        self._chain.learner.absorb(snapshot.decayed_rows())
 
     def shared_names(self) -> dict[str, str]:
         """Local agent name -> the name every replica gives that agent, for the shared state.
@@ -504,7 +546,7 @@ class CacheScoutPolicy:
         preamble not learned yet) are ambiguous and left out; so are hinted names (already shared)."""
         out: dict[str, str] = {}
         owners: dict[str, int] = {}
-        for rec in self.fingerprints.agents():
+        for rec in self._fingerprints.agents():
             if rec.agent_id in self._aliases or not rec.private_key:
                 continue
             name = f"{SHARED_NAME_PREFIX}{rec.private_key & (2**64 - 1):016x}"
@@ -517,9 +559,9 @@ class CacheScoutPolicy:
 
         The journal hook moves over, and the version jumps so every cached prediction is redone.
         """
-        if learner.half_life != self.learner.half_life:
+        if learner.half_life != self._chain.learner.half_life:
             raise ConfigError(f"learner half_life {learner.half_life} differs from this policy's "
-                             f"transition_half_life {self.learner.half_life}")
-        learner.version = self.learner.version + self.cfg.model_refresh_interval + 1
-        learner.journal = self.learner.journal
-        self.learner = self.sessions.learner = self.scorer.learner = learner
+                             f"transition_half_life {self._chain.learner.half_life}")
+        learner.version = self._chain.learner.version + self.cfg.model_refresh_interval + 1
+        learner.journal = self._chain.learner.journal
+        self._chain.learner = learner

@@ -26,72 +26,14 @@ from .config import PolicyConfig
 from .costs import RebuildCost
 from .eviction import EvictionIndex, Group
 from .sessions import Session, SessionTracker
-from .transitions import END, START, TransitionLearner
+from .traffic import Traffic
+from .transitions import END, START, HorizonRow, LearnerRef
 
 _RATE_FLOOR: Final = 1e-4     # uses per second of a group nobody is predicted to use: far, not infinitely
-_EMA: Final = 0.05
-_TYPICAL_FLOOR_S: Final = 1e-3  # waits shorter than this count as this (their log is the average)
-_RATE_WINDOW_S: Final = 60.0  # new-session arrivals are counted over about this much time
 _LINKED_SHARE: Final = 0.2    # multi-call sessions spanning agents, at and above which contexts are trusted
 _UNLINKED_SHARE: Final = 0.1  # ... and at and below which they are not
 # Idle for this many think times, a session is under 0.1% likely to call again (see next_call_in).
 _ALIVE_IDLE_THINKS: Final = 2.0 - math.log(1e-3)
-
-
-class _Timing:
-    """Exponential moving averages per agent, with a shared fallback for agents not seen yet.
-    `typical`: averaged in the log (a geometric mean, the median of a lognormal), so that the rare
-    wait of hours (a person who left) does not make every wait look long."""
-
-    __slots__ = ("per_agent", "overall", "samples", "typical", "spread")
-
-    def __init__(self, initial: float, typical: bool = False) -> None:
-        self.per_agent: dict[str, float] = {}
-        self.typical = typical
-        self.overall = math.log(initial) if typical else initial
-        self.samples = 0
-        self.spread: dict[str, float] = {}   # typical: agent -> EMA of squared log deviations
-
-    def note(self, agent: str | None, seconds: float) -> None:
-        if seconds < 0 or not math.isfinite(seconds):
-            return
-        if self.typical:
-            seconds = math.log(max(seconds, _TYPICAL_FLOOR_S))
-        self.samples += 1
-        self.overall += _EMA * (seconds - self.overall)
-        if agent is not None:
-            old = self.per_agent.get(agent)
-            self.per_agent[agent] = seconds if old is None else old + 2 * _EMA * (seconds - old)
-            if self.typical and old is not None:
-                dev2 = (seconds - old) ** 2
-                v = self.spread.get(agent)
-                self.spread[agent] = dev2 if v is None else v + 2 * _EMA * (dev2 - v)
-
-    def reliability(self, agent: str | None) -> float:
-        """How far an order by these estimates can be trusted over an order by recency, in
-        [0, 1]. For waits spread lognormally by sigma (in the log), two sessions predicted a factor
-        e apart return in the predicted order with probability (1 + erf(1 / (2 sigma))) / 2: the
-        score is erf(1 / (2 sigma)), sigma the root mean square deviation of the log waits from
-        their running average (a long tail counts fully). About 0.8 for a steady tool (sigma 0.4),
-        0.4 for people typing (sigma 1.2)."""
-        v = self.spread.get(agent) if agent is not None else None
-        if v is None:
-            return 1.0
-        return math.erf(0.5 / max(math.sqrt(v), 1e-6))
-
-    def get(self, agent: str | None) -> float:
-        v = self.per_agent.get(agent, self.overall) if agent is not None else self.overall
-        return math.exp(v) if self.typical else v
-
-    def longest(self) -> float:
-        """The largest current estimate (of any agent, or the fallback)."""
-        v = max(self.overall, max(self.per_agent.values(), default=-math.inf))
-        return math.exp(v) if self.typical else v
-
-    def shortest(self) -> float:
-        """The smallest current estimate (of any agent, or the fallback)."""
-        v = min(self.overall, min(self.per_agent.values(), default=math.inf))
-        return math.exp(v) if self.typical else v
 
 
 def _next_call(s: Session, now: float, think: float, duration: float) -> tuple[float, float]:
@@ -130,27 +72,14 @@ def _protect(parent: Group, child: Group, now: float) -> None:
             parent.model, parent.conf = 0.0, 0.0
 
 
-class _Row:
-    """What the chain predicts after a source agent, within the prediction horizon."""
-
-    __slots__ = ("version", "reach", "conf", "extra", "uses")
-
-    def __init__(self, version: int, reach: dict[str, float], conf: float, extra: dict[str, float],
-                 uses: tuple[tuple[str, float, float], ...]) -> None:
-        self.version = version    # the learner's version it was computed at
-        self.reach = reach        # agent -> P(called within the horizon)
-        self.conf = conf          # confidence in the row (0 below min_confidence)
-        self.extra = extra        # agent -> expected calls before its first use, given it happens
-        self.uses = uses          # (agent, reach, extra) of the real agents, for scoring
-
-
 class _AgentView:
     """`score`'s per-agent inputs in one rescoring: its row, think time, call duration, and the
     uses that matter now (agents whose current anchor has free blocks)."""
 
     __slots__ = ("row", "think", "duration", "uses")
 
-    def __init__(self, row: _Row, think: float, duration: float, uses: tuple[tuple[str, float, float], ...]) -> None:
+    def __init__(self, row: HorizonRow, think: float, duration: float,
+                 uses: tuple[tuple[str, float, float], ...]) -> None:
         self.row = row
         self.think = think
         self.duration = duration
@@ -158,46 +87,27 @@ class _AgentView:
 
 
 class SurvivalScorer:
-    def __init__(self, cfg: PolicyConfig, learner: TransitionLearner, sessions: SessionTracker,
-                 cost: RebuildCost) -> None:
+    """Scores the eviction index's groups. Reads the chain (through `chain`, which the policy may
+    point at another learner), the sessions and the traffic's measurements; changes none of them."""
+
+    def __init__(self, cfg: PolicyConfig, chain: LearnerRef, sessions: SessionTracker, cost: RebuildCost,
+                 traffic: Traffic) -> None:
         self.cfg = cfg
-        self.learner = learner
-        self.sessions = sessions
-        self.cost = cost
-        self.current_anchor: dict[str, int] = {}  # agent -> its newest anchor version (node) in use
-        self.step_s = 1.0             # typical time between two calls of one session (EMA)
-        self.new_session_share = 0.0  # share of calls that open a session (EMA)
-        self.duration = _Timing(1.0)  # seconds a call of an agent takes
-        self.think = _Timing(1.0, typical=True)   # seconds from a call's end to the session's next call
-        self._arrivals = 0.0          # time-decayed new sessions ...
-        self._elapsed = 0.0           # ... over time-decayed seconds
-        self._last_arrival_at: float | None = None
-        self._rows: dict[str, _Row] = {}
-        self.dead_reuse = 0.0         # share of expired sessions' context blocks used again (core measures it)
+        self._chain = chain
+        self._sessions = sessions
+        self._cost = cost
+        self._traffic = traffic
+        self._rows: dict[str, HorizonRow] = {}
         # What the last scoring was computed for (the chain's refresh count, trust, time tick).
         self._scored_refresh = -1
         self._scored_trust = 0
         self._scored_tick = 0.0
         self._round = 0   # rescorings so far (sessions' views carry the one they were made in)
 
-    def note_new_session(self, now: float) -> None:
-        if self._last_arrival_at is not None and now > self._last_arrival_at:
-            dt = now - self._last_arrival_at
-            keep = math.exp(-dt / _RATE_WINDOW_S)
-            self._arrivals *= keep
-            self._elapsed = self._elapsed * keep + dt
-        self._last_arrival_at = now
-        self._arrivals += 1.0
-
     @property
     def dead_model(self) -> float:
         """The `model` value of a group predicted never to be used again."""
         return -math.log(_RATE_FLOOR)
-
-    @property
-    def new_session_rate(self) -> float:
-        """Sessions starting per second, recently."""
-        return self._arrivals / self._elapsed if self._elapsed > 0 else 0.0
 
     # -- model views --------------------------------------------------------------------------
     def row(self, src: str) -> tuple[dict[str, float], float]:
@@ -205,16 +115,17 @@ class SurvivalScorer:
         got = self._row(src)
         return got.reach, got.conf
 
-    def _row(self, src: str) -> _Row:
-        version = self.learner.version
+    def _row(self, src: str) -> HorizonRow:
+        learner = self._chain.learner
+        version = learner.version
         got = self._rows.get(src)
         if got is not None and version - got.version < self.cfg.model_refresh_interval:
             return got
         reach: dict[str, float] = {}
         extra: dict[str, float] = {}
-        if self.learner.has_row(src):
+        if learner.has_row(src):
             before: dict[str, float] = {}
-            for k, cumulative in enumerate(self.learner.reach_within(src, self.cfg.prediction_horizon), 1):
+            for k, cumulative in enumerate(learner.reach_within(src, self.cfg.prediction_horizon), 1):
                 for x, p in cumulative.items():
                     first_at_k = p - before.get(x, 0.0)
                     if first_at_k > 0:
@@ -222,11 +133,11 @@ class SurvivalScorer:
                 before = cumulative
             reach = before
             extra = {x: e / reach[x] for x, e in extra.items() if reach.get(x, 0.0) > 0}
-        conf = self.learner.confidence(src)
+        conf = learner.confidence(src)
         if conf < self.cfg.min_confidence:
             conf = 0.0
         uses = tuple((x, p, extra.get(x, 0.0)) for x, p in reach.items() if x != END)
-        got = _Row(version, reach, conf, extra, uses)
+        got = HorizonRow(version, reach, conf, extra, uses)
         self._rows[src] = got
         if len(self._rows) > 4 * self.cfg.max_agents:
             self._rows.clear()
@@ -237,26 +148,29 @@ class SurvivalScorer:
         are active but under a tenth of the multi-call sessions used more than one of them
         (sessions are evidently not being linked across agents; the few that are come from agents
         relabelled while their anchors were learned), 1 from a fifth on, or with no evidence."""
-        share = self.sessions.cross_agent_share()
-        if share is None or len(self.current_anchor) < 2:
+        share = self._sessions.cross_agent_share()
+        if share is None or len(self._traffic.current_anchor) < 2:
             return 1.0
         return min(1.0, max(0.0, (share - _UNLINKED_SHARE) / (_LINKED_SHARE - _UNLINKED_SHARE)))
 
     def patience(self) -> tuple[Callable[[str | None], float], float]:
         """(how long a session of an agent may stay idle before it is all but certainly over,
         the least of those): idle that long, `next_call_in` gives it under 0.1% to go on."""
+        think = self._traffic.think
+
         def of(agent: str | None) -> float:
-            return max(self.think.get(agent), 1e-3) * _ALIVE_IDLE_THINKS
-        return of, max(self.think.shortest(), 1e-3) * _ALIVE_IDLE_THINKS
+            return max(think.get(agent), 1e-3) * _ALIVE_IDLE_THINKS
+        return of, max(think.shortest(), 1e-3) * _ALIVE_IDLE_THINKS
 
     def next_call_in(self, s: Session, now: float) -> tuple[float, float]:
         """(seconds until the session's next call is expected, probability it is still going)."""
-        return _next_call(s, now, max(self.think.get(s.agent), 1e-3), self.duration.get(s.agent))
+        traffic = self._traffic
+        return _next_call(s, now, max(traffic.think.get(s.agent), 1e-3), traffic.duration.get(s.agent))
 
     def confidence(self) -> float:
         """Confidence of the rows the live sessions are predicted from (0 below min_confidence)."""
         num = den = 0.0
-        for agent, n in self.sessions.agent_counts.items():
+        for agent, n in self._sessions.agent_counts.items():
             num += n * self._row(agent).conf
             den += n
         conf = num / den if den > 0 else 0.0
@@ -268,15 +182,16 @@ class SurvivalScorer:
         miss: dict[str, float] = {}
         conf_num: dict[str, float] = {}
         conf_den: dict[str, float] = {}
-        counts = self.sessions.agent_counts
+        learner = self._chain.learner
+        counts = self._sessions.agent_counts
         n_live = sum(counts.values())
         sources: list[tuple[str, float]] = list(counts.items())
-        n_new = self.new_session_share * max(n_live, 1)
-        if n_new > 0 and self.learner.has_row(START):
+        n_new = self._traffic.new_session_share * max(n_live, 1)
+        if n_new > 0 and learner.has_row(START):
             sources.append((START, n_new))
         for agent, n in sources:
             _, conf = self.row(agent)
-            for x, p in self.learner.probabilities(agent).items():
+            for x, p in learner.probabilities(agent).items():
                 miss[x] = miss.get(x, 1.0) * (1.0 - p) ** n
                 conf_num[x] = conf_num.get(x, 0.0) + n * p * conf
                 conf_den[x] = conf_den.get(x, 0.0) + n * p
@@ -295,13 +210,15 @@ class SurvivalScorer:
         # once: on routing without a pattern its confidence falls with every few updates, and
         # leaving that to the clock cost 0.3 points of hit rate and up to 12% of TTFT there.
         interval = self.cfg.rescore_interval_s
-        refresh = self.learner.version // self.cfg.model_refresh_interval
+        learner = self._chain.learner
+        traffic = self._traffic
+        refresh = learner.version // self.cfg.model_refresh_interval
         trusted = int(trust * 100.0 + 0.5)   # in hundredths
         tick = float(int(now / interval)) if interval > 0 else now
         if refresh == self._scored_refresh and trusted == self._scored_trust and tick == self._scored_tick:
             return
         self._scored_refresh, self._scored_trust, self._scored_tick = refresh, trusted, tick
-        step = max(self.step_s, 1e-3)
+        step = max(traffic.step_s, 1e-3)
         # Per live session (written on the session, numbered by rescoring): expected time to its
         # next call and whether it is still going; its use rate for agent x is
         # alive * P(x within the horizon) / (time to the call that uses x).
@@ -317,28 +234,29 @@ class SurvivalScorer:
         # the next rescoring after their blocks are freed. So only the agents with an anchor that
         # has free blocks need a use rate.
         free_groups = list(index.free_groups())
-        current = self.current_anchor
+        current = traffic.current_anchor
         wanted = {g.agent for g in free_groups if g.kind == "anchor"}
 
         # Sessions idle long enough are all but certainly over: they add nothing to the anchors'
         # rates (their own contexts are scored below, when they have free blocks).
-        for s in self.sessions.recent(now, max(self.think.longest(), 1e-3) * _ALIVE_IDLE_THINKS):
+        for s in self._sessions.recent(now, max(traffic.think.longest(), 1e-3) * _ALIVE_IDLE_THINKS):
             if s.agent is None:
                 continue
             view = self._view(s, s.agent, now, rnd, per_agent, overrides, wanted)
-            t_next, alive = s.view_t_next, s.view_alive
+            sv = s.view
+            t_next, alive = sv.t_next, sv.alive
             used = s.anchor_nodes
             for x, p, e in view.uses:
                 node = used.get(x, 0) or current.get(x, 0)
                 anchor_rate[node] = anchor_rate.get(node, 0.0) + alive * p / (t_next + e * step)
-            nxt = s.view_next
+            nxt = sv.next_agent
             if nxt is not None:   # the framework said so
                 node = used.get(nxt, 0) or current.get(nxt, 0)
                 anchor_rate[node] = anchor_rate.get(node, 0.0) + alive / t_next
             num += alive * view.row.conf
             den += alive
-        new_rate = self.new_session_rate
-        if new_rate > 0 and self.learner.has_row(START):
+        new_rate = traffic.new_session_rate
+        if new_rate > 0 and learner.has_row(START):
             start = self._row(START)
             for x, p, _ in start.uses:
                 node = current.get(x, 0)
@@ -350,11 +268,13 @@ class SurvivalScorer:
         if conf_all < self.cfg.min_confidence:
             conf_all = 0.0
         floor = -math.log(_RATE_FLOOR)
-        backed_value = self.cost.backed_value("cpu")
+        backed_value = self._cost.backed_value("cpu")
+        dead_reuse = traffic.dead_reuse
+        think = traffic.think
         link = self.session_links()
         anchors = []
         preambles = []
-        session_of = self.sessions.get
+        session_of = self._sessions.get
         for g in free_groups:
             kind = g.kind
             if kind == "context":
@@ -367,27 +287,28 @@ class SurvivalScorer:
                     # LRU's order implies (one use per idle time) times that share.
                     rate, conf = 0.0, conf_all
                     head = g.head
-                    if self.dead_reuse > 0.0 and head is not None:
-                        rate = self.dead_reuse / (max(now - head.freed_at, 0.0) + 1e-3)
+                    if dead_reuse > 0.0 and head is not None:
+                        rate = dead_reuse / (max(now - head.freed_at, 0.0) + 1e-3)
                 elif ses.agent is None or agent is None:
                     rate, conf = 0.0, 0.0                  # nothing known: LRU
                 else:
                     # Most live sessions were viewed above.
+                    sv = ses.view
                     row = (self._view(ses, ses.agent, now, rnd, per_agent, overrides, wanted).row
-                           if ses.view_round != rnd else cast(_Row, ses.view_row))
-                    t_next, alive = ses.view_t_next, ses.view_alive
+                           if sv.round != rnd else cast(HorizonRow, sv.row))
+                    t_next, alive = sv.t_next, sv.alive
                     p = row.reach.get(agent, 0.0)
                     rate = alive * p / (t_next + row.extra.get(agent, 0.0) * step) if p else 0.0
                     if rate > 0.0:
                         # Timing as far as the waits are regular: where they are not, the time a
                         # session has idled stands in for when it calls next (as in LRU).
-                        r = self.think.reliability(ses.agent)
+                        r = think.reliability(ses.agent)
                         head = g.head
                         if r < 1.0 and head is not None:
                             idle = max(now - head.freed_at, 0.0) + 1e-3
                             rate = math.exp(r * math.log(rate) + (1.0 - r) * (math.log(p) - math.log(idle)))
                     conf = row.conf * link
-                    if ses.view_next == agent:             # the framework said so
+                    if sv.next_agent == agent:             # the framework said so
                         rate = max(rate, alive / t_next)
                         conf = 1.0
             elif kind == "anchor":
@@ -430,12 +351,14 @@ class SurvivalScorer:
         view = per_agent.get(agent)
         if view is None:
             row = self._row(agent)
-            view = per_agent[agent] = _AgentView(row, max(self.think.get(agent), 1e-3), self.duration.get(agent),
+            traffic = self._traffic
+            view = per_agent[agent] = _AgentView(row, max(traffic.think.get(agent), 1e-3), traffic.duration.get(agent),
                                                  tuple(u for u in row.uses if u[0] in wanted))
-        s.view_t_next, s.view_alive = _next_call(s, now, view.think, view.duration)
-        s.view_row = view.row
-        s.view_next = overrides.get(s.sid) if overrides else None
-        s.view_round = rnd
+        sv = s.view
+        sv.t_next, sv.alive = _next_call(s, now, view.think, view.duration)
+        sv.row = view.row
+        sv.next_agent = overrides.get(s.sid) if overrides else None
+        sv.round = rnd
         return view
 
     def invalidate(self) -> None:

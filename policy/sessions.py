@@ -25,10 +25,10 @@ import dataclasses
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, Final
+from typing import Final
 
 from .config import PolicyConfig
-from .transitions import TransitionLearner
+from .transitions import HorizonRow
 
 _MIN_ENDED: Final = 20.0            # multi-call sessions needed before judging session links
 _ENDED_DECAY: Final = 0.995         # ... counted with a half-life of about 140 sessions
@@ -87,6 +87,19 @@ def sketch_window(sketch: Sequence[Sequence[int]], start: int, window: int) -> l
     return [h for b, e, h in sketch if b > start and e <= end]
 
 
+class SessionView:
+    """The scorer's view of one session in one rescoring (`SurvivalScorer.score` writes it)."""
+
+    __slots__ = ("round", "t_next", "alive", "row", "next_agent")
+
+    def __init__(self) -> None:
+        self.round = -1                     # the rescoring it was made in
+        self.t_next = 0.0                   # seconds until the session's next call is expected
+        self.alive = 0.0                    # probability the session is still going
+        self.row: HorizonRow | None = None  # its agent's row
+        self.next_agent: str | None = None  # the agent it is hinted to call next
+
+
 @dataclasses.dataclass(slots=True, eq=False)
 class Session:
     sid: Hashable
@@ -101,13 +114,9 @@ class Session:
     called: set[str] = dataclasses.field(default_factory=set)  # agents this session has called
     anchor_nodes: dict[str, int] = dataclasses.field(default_factory=dict)  # agent -> anchor version it used last
     over: bool = False             # idle long enough to be all but certainly finished
-    # The scorer's view of it in its latest rescoring (`SurvivalScorer.score`), kept here so that
-    # rescoring looks nothing up per session.
-    view_round: int = -1
-    view_t_next: float = 0.0
-    view_alive: float = 0.0
-    view_row: Any = None
-    view_next: str | None = None
+    # The scorer's view of it in its latest rescoring, kept here so that rescoring looks nothing
+    # up per session.
+    view: SessionView = dataclasses.field(default_factory=SessionView)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -120,9 +129,8 @@ class Assignment:
 
 
 class SessionTracker:
-    def __init__(self, config: PolicyConfig | None = None, learner: TransitionLearner | None = None) -> None:
+    def __init__(self, config: PolicyConfig | None = None) -> None:
         self.cfg = config or PolicyConfig()
-        self.learner = learner
         self._sessions: OrderedDict[Hashable, Session] = OrderedDict()  # least recent call first
         self._chunk_owner: dict[Hashable, Session] = {}
         self._shared_chunks: OrderedDict[Hashable, None] = OrderedDict()  # boilerplate, bounded

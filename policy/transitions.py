@@ -241,3 +241,28 @@ class TransitionLearner:
         for src, row in self._rows.items():
             for dst, c in self._decayed(row).items():
                 yield src, dst, c
+
+
+class LearnerRef:
+    """The learner the policy predicts from, held in one place: the scorer reads it through this,
+    and a merged model built off the serving path replaces it by one assignment."""
+
+    __slots__ = ("learner",)
+
+    def __init__(self, learner: TransitionLearner) -> None:
+        self.learner = learner
+
+
+class HorizonRow:
+    """What the chain predicts after a source agent within the prediction horizon (the scorer
+    computes one per source agent and keeps it for a few of the learner's updates)."""
+
+    __slots__ = ("version", "reach", "conf", "extra", "uses")
+
+    def __init__(self, version: int, reach: dict[str, float], conf: float, extra: dict[str, float],
+                 uses: tuple[tuple[str, float, float], ...]) -> None:
+        self.version = version    # the learner's version it was computed at
+        self.reach = reach        # agent -> P(called within the horizon)
+        self.conf = conf          # confidence in the row (0 below min_confidence)
+        self.extra = extra        # agent -> expected calls before its first use, given it happens
+        self.uses = uses          # (agent, reach, extra) of the real agents, for scoring

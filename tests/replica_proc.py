@@ -47,7 +47,7 @@ def converge(url: str, name: str, part: int, parts: int, half_life: float, out: 
     for i, path in enumerate(sessions()):
         if i % parts == part:
             for src, dst in path:
-                policy.learner.update(src, dst)
+                policy.learn_transition(src, dst)
             if i % 17 == 0:
                 shared.sync_now()
                 shared.on_step(policy)
@@ -62,14 +62,14 @@ def converge(url: str, name: str, part: int, parts: int, half_life: float, out: 
         assert shared.sync_now()
         shared.on_step(policy)
     with open(out, "w") as f:
-        json.dump([[s, d, c] for s, d, c in policy.learner.edges()], f)
+        json.dump([[s, d, c] for s, d, c in policy.transitions()], f)
 
 
 def flush_forever(url: str, name: str) -> None:
     policy, shared = replica(url, name, 1e9)
     print("ready", flush=True)
     while True:
-        policy.learner.update("x", "y")   # one transition per flush: a blob's count equals its seq
+        policy.learn_transition("x", "y")   # one transition per flush: a blob's count equals its seq
         shared.sync_now(read=False)
 
 

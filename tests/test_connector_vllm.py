@@ -105,7 +105,7 @@ def test_mirror_holds_every_block_vllm_caches(runs):
     replay = runs["cachescout"][1]
     pool = replay.scheduler.kv_cache_manager.block_pool
     cached = set(block_keys([b.block_hash for b in pool.blocks if b.block_hash is not None]))
-    index = replay.connector.policy.index
+    index = replay.connector.policy.inspect().index
     assert len(cached) > 500
     assert not [key for key in cached if key not in index]
     assert all(index.block(key).group is not index.default_group for key in cached)
@@ -182,7 +182,7 @@ def test_hints_from_kv_transfer_params():
     sched.schedule()
     policy = sched.connector.policy
     assert sched.connector.steering.stats["bad_hints"] == 1
-    assert "coder" in policy.learner.agents()
+    assert "coder" in policy.inspect().learner.agents()
 
 
 def test_room_for_waiting_requests_counts_only_their_uncached_blocks():
@@ -333,7 +333,7 @@ def test_replicas_share_what_they_learned_through_redis(short_workload, redis_se
     shared = {"url": redis_server.url, "deployment": "ci", "flush_interval_s": 0.05, "fold_after_s": 30}
     first = VllmReplay(cfg, "cachescout", {"shared_state": {**shared, "replica": "first"}})
     first.run(sessions[:20])
-    learned = sum(c for _, _, c in first.connector.policy.learner.edges())
+    learned = sum(c for _, _, c in first.connector.policy.transitions())
     assert learned >= 50
     first.connector.shutdown()                       # the final flush
     second = VllmReplay(cfg, "cachescout", {"shared_state": {**shared, "replica": "second"}})
@@ -348,7 +348,7 @@ def test_replicas_share_what_they_learned_through_redis(short_workload, redis_se
     with state._lock:
         state._drain()                         # own counts up to the last update
     own = sum(c for _, _, c in state._shadow.edges())
-    merged = sum(c for _, _, c in second.connector.policy.learner.edges())
+    merged = sum(c for _, _, c in second.connector.policy.transitions())
     assert merged - own >= 0.5 * learned, (merged, own, learned)
     assert len(result.calls) > 0 and state.stats["flush_ok"] >= 1 and state.status()["degraded"] == 0
     reported = second.connector._reported      # what vLLM's scheduler has collected for its metrics so far

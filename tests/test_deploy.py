@@ -414,7 +414,7 @@ def test_redis_start_scripts_and_probes_work_on_redis_server(tmp_path, suffix, u
                  "password_file": str(tmp_path / "pwfile"),
                  **({"tls_ca_file": str(tmp_path / "tls" / "ca.crt")} if tls else {})})
             policy = CacheScoutPolicy(PolicyConfig())
-            state = SharedLearnedState(settings, half_life=policy.learner.half_life, model="m", hash_domain="d")
+            state = SharedLearnedState(settings, half_life=policy.half_life, model="m", hash_domain="d")
             state.attach(policy)
             learn(policy, [("a", "b")], 3)
             assert state.sync_now(), state.status()

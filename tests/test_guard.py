@@ -24,7 +24,7 @@ def test_shadow_held_to_lru_order_holds_what_the_real_cache_holds(sample):
     sessions, _ = load_trace(CONVERSATIONS, TraceOptions())
     bs = sessions[0].calls[0].block_size
     policy = CacheScoutReplay(PolicyConfig(block_size=bs, min_confidence=1.0))   # never confident: LRU
-    g = policy.core.guard
+    g = policy.core.inspect().guard
     g.sample = sample
     lru = Engine(EngineConfig(gpu_blocks=3000, block_size=bs), make_policy("lru", PolicyConfig(block_size=bs)))
     ours = Engine(EngineConfig(gpu_blocks=3000, block_size=bs), policy)
@@ -110,8 +110,8 @@ def test_guard_keeps_a_good_model_trusted_and_measures_its_gain():
     ours = Engine(EngineConfig(gpu_blocks=blocks), policy).run(sessions).summary()["token_hit_rate"]
     lru = Engine(EngineConfig(gpu_blocks=blocks), make_policy("lru", PolicyConfig())).run(sessions).summary()
     assert ours > lru["token_hit_rate"] + 0.01
-    assert policy.core.guard.estimated_gain() > 0.005
-    assert policy.core.guard.trust == 1.0
+    assert policy.core.inspect().guard.estimated_gain() > 0.005
+    assert policy.core.inspect().guard.trust == 1.0
 
 
 def _mixed(guard: LruGuard, windows: int, ours_share: float):

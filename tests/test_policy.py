@@ -81,15 +81,16 @@ def test_uniform_model_evicts_exactly_like_lru(seq):
     policy = CacheScoutPolicy(PolicyConfig())
     # A strong prior that any agent follows any agent (and any session may end) uniformly.
     uniform = {src: {dst: 10**6 * COUNT_SCALE for dst in AGENTS + ["<end>"]} for src in AGENTS + ["<start>"]}
-    policy.absorb(TransitionSnapshot(policy.learner.half_life, uniform))
+    policy.absorb(TransitionSnapshot(policy.half_life, uniform))
     _drive(policy, seq, hinted=True)
     assert policy.confidence() == 0.0
 
 
 def _policy_state(core: CacheScoutPolicy):
-    groups = sorted((repr(g.gid), tuple(b.key for b in g.free_blocks()), g.n_blocks) for g in core.index.groups())
-    sessions = [(s.sid, s.agent, s.calls, s.in_flight) for s in core.sessions]
-    return core.learner.decayed_rows(), sessions, groups, core.index.n_free
+    parts = core.inspect()
+    groups = sorted((repr(g.gid), tuple(b.key for b in g.free_blocks()), g.n_blocks) for g in parts.index.groups())
+    sessions = [(s.sid, s.agent, s.calls, s.in_flight) for s in parts.sessions]
+    return parts.learner.decayed_rows(), sessions, groups, parts.index.n_free
 
 
 def test_choosing_victims_never_changes_state():
@@ -173,7 +174,7 @@ def test_unlinked_sessions_are_detected_and_linked_ones_trusted():
     for name in ("cachescout", "cachescout-hashonly"):
         policy = make_policy(name, PolicyConfig(), sessions)
         Engine(EngineConfig(gpu_blocks=4000), policy).run(sessions)
-        links[name] = policy.core.scorer.session_links()
+        links[name] = policy.core.inspect().scorer.session_links()
     assert links["cachescout"] == 1.0
     assert links["cachescout-hashonly"] < 0.2
 
@@ -226,5 +227,5 @@ def test_the_chain_learns_where_workflows_end_long_before_sessions_expire():
             now += 0.6
         now += 5.0
     summarizer = policy.observe(("x", 0), chain(summ + [("t", "x")]), now=now).agent
-    assert policy.learner.probability(summarizer, END) > 0.5
-    assert len(policy.sessions) > 10    # they have not expired
+    assert policy.inspect().learner.probability(summarizer, END) > 0.5
+    assert len(policy.inspect().sessions) > 10    # they have not expired

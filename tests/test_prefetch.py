@@ -74,7 +74,7 @@ def test_no_prefetch_and_no_cpu_ranking_while_the_guard_keeps_to_lru():
     policy, sup, coder, t = _supervisor_then_coder()
     where = {k: "cpu" for k in chain(coder)}.get
     assert policy.plan_prefetch(where) and policy.next_agent_probabilities()["coder"][1] > 0
-    policy.guard.trust = 0.0
+    policy.inspect().guard.trust = 0.0
     assert policy.plan_prefetch(where) == []
     assert all(conf == 0.0 for _, conf in policy.next_agent_probabilities().values())
     policy.observe(("hinted", "sup"), chain(sup + [("task", "h")]),

@@ -28,11 +28,11 @@ def make(url: str, name: str, *, half_life: float = HALF_LIFE, domain: str = "d0
 def learn(policy: CacheScoutPolicy, pairs: list[tuple[str, str]], times: int = 1) -> None:
     for _ in range(times):
         for src, dst in pairs:
-            policy.learner.update(src, dst)
+            policy.learn_transition(src, dst)
 
 
 def counts(policy: CacheScoutPolicy) -> dict[tuple[str, str], float]:
-    return {(s, d): round(c, 3) for s, d, c in policy.learner.edges()}
+    return {(s, d): round(c, 3) for s, d, c in policy.transitions()}
 
 
 def sync(*pairs) -> None:
@@ -335,10 +335,10 @@ def test_a_background_thread_shares_while_the_serving_thread_only_swaps(redis_se
             learn(b[0], [("x", "z")])
             a[1].on_step(a[0])
             b[1].on_step(b[0])
-            if a[0].learner.probability("x", "z") > 0 and b[0].learner.probability("x", "y") > 0:
+            if a[0].inspect().learner.probability("x", "z") > 0 and b[0].inspect().learner.probability("x", "y") > 0:
                 break
             time.sleep(0.01)
-        assert a[0].learner.probability("x", "z") > 0 and b[0].learner.probability("x", "y") > 0
+        assert a[0].inspect().learner.probability("x", "z") > 0 and b[0].inspect().learner.probability("x", "y") > 0
     finally:
         a[1].close()
         b[1].close()
@@ -371,17 +371,17 @@ def test_three_replica_processes_converge_to_what_one_process_learns(redis_serve
     single = CacheScoutPolicy(PolicyConfig(transition_half_life=half_life))
     for path in sessions():
         for src, dst in path:
-            single.learner.update(src, dst)
+            single.learn_transition(src, dst)
     views = []
     for i in range(3):
         merged = CacheScoutPolicy(PolicyConfig(transition_half_life=half_life))
-        merged.learner.absorb({})
+        merged.inspect().learner.absorb({})
         for s, d, c in json.loads((tmp_path / f"r{i}.json").read_text()):
-            merged.learner.absorb({s: {d: c}})
-        views.append(merged.learner)
+            merged.inspect().learner.absorb({s: {d: c}})
+        views.append(merged.inspect().learner)
     for view in views:
-        for src in single.learner.decayed_rows():
-            want, got = single.learner.probabilities(src), view.probabilities(src)
+        for src in single.inspect().learner.decayed_rows():
+            want, got = single.inspect().learner.probabilities(src), view.probabilities(src)
             assert set(got) == set(want)
             for dst, p in want.items():
                 # Exact without decay; with decay each replica forgets over its own third of the
@@ -389,7 +389,7 @@ def test_three_replica_processes_converge_to_what_one_process_learns(redis_serve
                 assert got[dst] == pytest.approx(p, abs=1e-6 if half_life > 1e6 else 0.03), (src, dst)
         if half_life > 1e6:
             got_counts = {(s, d): c for s, d, c in view.edges()}
-            assert got_counts == pytest.approx({(s, d): c for s, d, c in single.learner.edges()}, rel=1e-5)
+            assert got_counts == pytest.approx({(s, d): c for s, d, c in single.transitions()}, rel=1e-5)
 
 
 def test_a_replica_killed_mid_flush_leaves_a_whole_blob_and_its_successor_starts_warm(redis_server):
@@ -457,13 +457,13 @@ def test_agents_named_differently_by_two_replicas_meet_under_shared_names(redis_
     assert any(la[a] != lb[a] for a in distinct)                    # one agent, two local names
     names_a, names_b = pa.shared_names(), pb.shared_names()
     assert all(names_a[la[a]] == names_b[lb[a]] for a in distinct)   # one shared name each
-    own = pb.learner.effective_count(lb["supervisor"])
+    own = pb.inspect().learner.effective_count(lb["supervisor"])
     for _ in range(2):
         for policy, shared in ((pa, sa), (pb, sb)):
             shared.note_names(policy)
             assert shared.sync_now()
             shared.on_step(policy)
-    merged = pb.learner.effective_count(lb["supervisor"])
+    merged = pb.inspect().learner.effective_count(lb["supervisor"])
     assert merged > 1.5 * own     # b's supervisor row now holds a's supervisor transitions too
 
 
@@ -547,7 +547,7 @@ def test_a_key_of_the_wrong_type_is_repaired_and_sharing_resumes(redis_server, k
     assert any("held a Redis list" in rec.message for rec in caplog.records)
     time.sleep(0.6)                                   # past a breaker cool-down, if one opened
     sync(a, b)
-    a[0].learner.update("x", "y")
+    a[0].learn_transition("x", "y")
     sync(a, b)
     assert counts(b[0]) == {("x", "y"): 3.0, ("x", "z"): 1.0}
     assert a[1].status()["degraded"] == 0

@@ -45,15 +45,15 @@ def wait_for_sentinel(port: int, **tls_kw) -> None:
 def exchange(settings: dict) -> tuple[dict, dict]:
     """Two replicas on `settings` each learn one transition and must end up with both."""
     (pa, sa), (pb, sb) = pair(settings, "a"), pair(settings, "b")
-    pa.learner.update("x", "y")
-    pb.learner.update("x", "z")
+    pa.learn_transition("x", "y")
+    pb.learn_transition("x", "z")
     for _ in range(2):
         for p, s in ((pa, sa), (pb, sb)):
             assert s.sync_now(), s.status()
             s.on_step(p)
     sa.close(final_flush=False)
     sb.close(final_flush=False)
-    return pa.learner.probabilities("x"), pb.learner.probabilities("x")
+    return pa.inspect().learner.probabilities("x"), pb.inspect().learner.probabilities("x")
 
 
 def test_least_privilege_acl_user_can_do_everything_the_replicas_need(redis_server, monkeypatch, caplog):
@@ -162,7 +162,7 @@ def test_paused_sentinels_cost_what_the_timeouts_allow(tmp_path):
         settings = {"sentinels": [f"127.0.0.1:{p}" for p in ports], "sentinel_service": "primary",
                     "timeout_s": 0.25, "retries": 1}
         policy, shared = pair(settings, "a")
-        policy.learner.update("x", "y")
+        policy.learn_transition("x", "y")
         assert shared.sync_now(), shared.status()
         master.pause()                     # the master gone quiet: the pool asks the Sentinels again
         for proc in procs:

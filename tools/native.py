@@ -29,7 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # the build, the connector's vLLM-facing parts, and the benchmark's policy adapters (tests and tools
 # subclass them).
 COMPILED = {
-    "policy": ["core", "eviction", "scorer", "sessions", "fingerprint", "transitions", "guard", "costs", "prefetch"],
+    "policy": ["core", "eviction", "scorer", "sessions", "fingerprint", "transitions", "traffic", "guard", "costs",
+               "prefetch"],
     "connector": ["gpu_steering"],
     "bench": ["replay", "belady", "bound", "baselines"],
 }

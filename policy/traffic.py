@@ -1,0 +1,151 @@
+"""What the policy has measured of its traffic: how long calls take and how long sessions wait
+between them, how often sessions start, which anchor version each agent uses now, and how often
+the contexts of expired sessions come back. The policy (core.py) writes it as calls come and go;
+the scorer only reads it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Final
+
+_TIMING_EMA: Final = 0.05
+_CALL_EMA: Final = 0.02        # per call: the time between a session's calls, the share that open one
+_TYPICAL_FLOOR_S: Final = 1e-3  # waits shorter than this count as this (their log is the average)
+_RATE_WINDOW_S: Final = 60.0  # new-session arrivals are counted over about this much time
+_STEP_SAMPLES: Final = 32      # gaps between a session's calls seen before their average is used
+_DEAD_DECAY: Final = 0.995     # per expired session
+_DEAD_MIN_BLOCKS: Final = 256.0  # dead blocks counted before their reuse is judged
+
+
+class Timing:
+    """Exponential moving averages per agent, with a shared fallback for agents not seen yet.
+    `typical`: averaged in the log (a geometric mean, the median of a lognormal), so that the rare
+    wait of hours (a person who left) does not make every wait look long."""
+
+    __slots__ = ("per_agent", "overall", "samples", "typical", "spread")
+
+    def __init__(self, initial: float, typical: bool = False) -> None:
+        self.per_agent: dict[str, float] = {}
+        self.typical = typical
+        self.overall = math.log(initial) if typical else initial
+        self.samples = 0
+        self.spread: dict[str, float] = {}   # typical: agent -> EMA of squared log deviations
+
+    def note(self, agent: str | None, seconds: float) -> None:
+        if seconds < 0 or not math.isfinite(seconds):
+            return
+        if self.typical:
+            seconds = math.log(max(seconds, _TYPICAL_FLOOR_S))
+        self.samples += 1
+        self.overall += _TIMING_EMA * (seconds - self.overall)
+        if agent is not None:
+            old = self.per_agent.get(agent)
+            self.per_agent[agent] = seconds if old is None else old + 2 * _TIMING_EMA * (seconds - old)
+            if self.typical and old is not None:
+                dev2 = (seconds - old) ** 2
+                v = self.spread.get(agent)
+                self.spread[agent] = dev2 if v is None else v + 2 * _TIMING_EMA * (dev2 - v)
+
+    def reliability(self, agent: str | None) -> float:
+        """How far an order by these estimates can be trusted over an order by recency, in
+        [0, 1]. For waits spread lognormally by sigma (in the log), two sessions predicted a factor
+        e apart return in the predicted order with probability (1 + erf(1 / (2 sigma))) / 2: the
+        score is erf(1 / (2 sigma)), sigma the root mean square deviation of the log waits from
+        their running average (a long tail counts fully). About 0.8 for a steady tool (sigma 0.4),
+        0.4 for people typing (sigma 1.2)."""
+        v = self.spread.get(agent) if agent is not None else None
+        if v is None:
+            return 1.0
+        return math.erf(0.5 / max(math.sqrt(v), 1e-6))
+
+    def get(self, agent: str | None) -> float:
+        v = self.per_agent.get(agent, self.overall) if agent is not None else self.overall
+        return math.exp(v) if self.typical else v
+
+    def longest(self) -> float:
+        """The largest current estimate (of any agent, or the fallback)."""
+        v = max(self.overall, max(self.per_agent.values(), default=-math.inf))
+        return math.exp(v) if self.typical else v
+
+    def shortest(self) -> float:
+        """The smallest current estimate (of any agent, or the fallback)."""
+        v = min(self.overall, min(self.per_agent.values(), default=math.inf))
+        return math.exp(v) if self.typical else v
+
+
+class Traffic:
+    """The measurements; written through the methods below (by the policy), read by the scorer."""
+
+    __slots__ = ("step_s", "new_session_share", "duration", "think", "current_anchor", "dead_reuse",
+                 "_steps", "_arrivals", "_elapsed", "_last_arrival_at", "_dead_blocks", "_dead_reused")
+
+    def __init__(self) -> None:
+        self.step_s = 1.0             # typical time between two calls of one session (EMA)
+        self.new_session_share = 0.0  # share of calls that open a session (EMA)
+        self.duration = Timing(1.0)   # seconds a call of an agent takes
+        self.think = Timing(1.0, typical=True)   # seconds from a call's end to the session's next call
+        self.current_anchor: dict[str, int] = {}  # agent -> its newest anchor version (node) in use
+        self.dead_reuse = 0.0         # share of expired sessions' context blocks used again
+        self._steps = 0               # gaps averaged into step_s
+        self._arrivals = 0.0          # time-decayed new sessions ...
+        self._elapsed = 0.0           # ... over time-decayed seconds
+        self._last_arrival_at: float | None = None
+        self._dead_blocks = 0.0       # blocks of contexts whose session expired (decayed) ...
+        self._dead_reused = 0.0       # ... and hits on such blocks since
+
+    # -- written by the policy ----------------------------------------------------------------
+    def call_opened(self, now: float, new_session: bool, previous_call_at: float | None) -> None:
+        """A call arrived: it opened a session, or followed the session's call at `previous_call_at`."""
+        if previous_call_at is not None and now > previous_call_at:
+            self.step_s += _CALL_EMA * ((now - previous_call_at) - self.step_s)
+            self._steps += 1
+        self.new_session_share += _CALL_EMA * ((1.0 if new_session else 0.0) - self.new_session_share)
+        if new_session:
+            self._session_arrived(now)
+
+    def _session_arrived(self, now: float) -> None:
+        if self._last_arrival_at is not None and now > self._last_arrival_at:
+            dt = now - self._last_arrival_at
+            keep = math.exp(-dt / _RATE_WINDOW_S)
+            self._arrivals *= keep
+            self._elapsed = self._elapsed * keep + dt
+        self._last_arrival_at = now
+        self._arrivals += 1.0
+
+    def waited(self, agent: str, seconds: float) -> None:
+        """A session waited `seconds` after a call of `agent` before calling again."""
+        self.think.note(agent, seconds)
+
+    def call_took(self, agent: str | None, seconds: float) -> None:
+        self.duration.note(agent, seconds)
+
+    def anchor_in_use(self, agent: str, node: int) -> None:
+        self.current_anchor[agent] = node
+
+    def contexts_expired(self, blocks: int) -> None:
+        """An expired session's contexts held `blocks` blocks, presumed dead from now on."""
+        self._dead_blocks = self._dead_blocks * _DEAD_DECAY + blocks
+        self._dead_reused *= _DEAD_DECAY
+        self._judge_dead()
+
+    def expired_contexts_hit(self, blocks: int) -> None:
+        """A call hit `blocks` blocks of expired sessions' contexts."""
+        self._dead_reused += blocks
+        self._judge_dead()
+
+    def _judge_dead(self) -> None:
+        # A chat whose next turn arrives as a new session reuses what "died": there the contexts of
+        # expired sessions keep LRU order; a workflow that ran its course does not.
+        if self._dead_blocks >= _DEAD_MIN_BLOCKS:
+            self.dead_reuse = min(1.0, self._dead_reused / self._dead_blocks)
+
+    # -- read by the scorer and the policy ------------------------------------------------------
+    @property
+    def new_session_rate(self) -> float:
+        """Sessions starting per second, recently."""
+        return self._arrivals / self._elapsed if self._elapsed > 0 else 0.0
+
+    def known_step_s(self) -> float | None:
+        """`step_s` once enough gaps were seen to trust it, else None."""
+        return self.step_s if self._steps >= _STEP_SAMPLES else None
