@@ -117,13 +117,12 @@ def test_every_requests_counts_reach_vllm_by_the_time_the_server_goes_idle(runs)
     replay = runs["cachescout"][1]
     policy = replay.connector.policy
     assert replay.reported_stats["requests"] == policy.stats["requests"] == runs["cachescout"][2].summary()["calls"]
-    assert replay.reported_stats["steps"] == replay.connector._steps
+    assert replay.reported_stats["steps"] == replay.connector.scheduler_side.steps
 
 
 def test_stats_reach_vllm_as_connector_stats(runs):
     connector = runs["cachescout"][1].connector
-    connector._reported_at = float("-inf")   # the report is throttled to once a second
-    connector._reported = {}
+    connector.scheduler_side.report.restart()   # the report is throttled to once a second
     stats = connector.get_kv_connector_stats()
     assert stats is not None and not stats.is_empty()
     reduced = stats.reduce()
@@ -157,7 +156,7 @@ def test_steering_failure_falls_back_to_vllm_order(short_workload, caplog, where
                 return real(*args)
             return flaky
 
-    replay.connector._steering = Flaky()
+    replay.connector.scheduler_side.steering = Flaky()
     result = replay.run(sessions[:10])
     assert calls["n"] == 20                     # never called again after the failure
     assert len(result.calls) == sum(len(s.calls) for s in sessions[:10])
@@ -243,8 +242,7 @@ def test_prometheus_counters_follow_the_stats(runs):
     prom = type(connector).build_prom_metrics(
         connector._vllm_config, {Counter: bound(Counter), Gauge: bound(Gauge), Histogram: bound(Histogram)},
         ["model_name", "engine"], {0: ["m", "0"]})
-    connector._reported_at = float("-inf")
-    connector._reported = {}
+    connector.scheduler_side.report.restart()
     data = connector.get_kv_connector_stats().to_dict()
     prom.observe(data, 0)
     prom.observe(data, 0)
@@ -284,7 +282,7 @@ def test_workers_get_agent_scores_for_the_lmcache_tier(short_workload):
         return meta
     replay.connector.build_connector_meta = spy
     replay.run(sessions)
-    assert 0 < len(sent) < replay.scheduler.connector._steps   # only when rescored, not every step
+    assert 0 < len(sent) < replay.scheduler.connector.scheduler_side.steps   # only when rescored, not every step
     assert any(sent) and all(0.0 <= p <= 1.0 for scores in sent for p in scores.values())
     # Anchors of agents predicted next go to the workers for prefetching, not on every rescoring.
     assert 0 < len(prefetch) < len(sent) * 6
@@ -319,7 +317,7 @@ def test_preemptions_keep_the_mirror_exact():
     replay = VllmReplay(EngineConfig(gpu_blocks=1200), "cachescout")
     result = replay.run(sessions)
     assert result.preemptions > 0
-    assert not replay.connector._failed and replay.connector.steering.stats["steered_blocks"] > 0
+    assert not replay.connector.scheduler_side.failed and replay.connector.steering.stats["steered_blocks"] > 0
     assert replay.pool_all_free()
     assert len(result.calls) == sum(len(s.calls) for s in sessions)
 
@@ -337,7 +335,7 @@ def test_replicas_share_what_they_learned_through_redis(short_workload, redis_se
     assert learned >= 50
     first.connector.shutdown()                       # the final flush
     second = VllmReplay(cfg, "cachescout", {"shared_state": {**shared, "replica": "second"}})
-    state = second.connector._shared
+    state = second.connector.scheduler_side.shared
     deadline = time.monotonic() + 10
     while state.stats["merges"] == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -351,7 +349,7 @@ def test_replicas_share_what_they_learned_through_redis(short_workload, redis_se
     merged = sum(c for _, _, c in second.connector.policy.transitions())
     assert merged - own >= 0.5 * learned, (merged, own, learned)
     assert len(result.calls) > 0 and state.stats["flush_ok"] >= 1 and state.status()["degraded"] == 0
-    reported = second.connector._reported      # what vLLM's scheduler has collected for its metrics so far
+    reported = second.connector.scheduler_side.report.last      # what vLLM's scheduler has collected for its metrics so far
     assert reported["state_flushes"] >= 1 and reported["state_merges"] >= 1 and reported["state_errors"] == 0
     second.connector.shutdown()
     assert second.pool_all_free()

@@ -264,14 +264,14 @@ def test_worker_connector_prefetches_what_the_scheduler_predicts(redis_server, a
     worker = CacheScoutConnector(sched.connector._vllm_config, KVConnectorRole.WORKER, sched.kv_cache_config)
     try:
         worker.bind_connector_metadata(CacheScoutMetadata({"coder": 0.9}, [(coder.tokens.tolist(), coder.configs)]))
-        assert worker._prefetcher is not None and worker._prefetcher.wait_idle(20)
+        assert worker.worker_side.prefetcher is not None and worker.worker_side.prefetcher.wait_idle(20)
         assert engine.storage_manager._cachescout_store_wait_s == 0.05   # store_wait_ms's default, bound
         stats = worker.get_kv_connector_stats().data     # what vLLM adds to the scheduler's counts
         assert stats["prefetch_submitted"] == 1
         assert stats["cpu_evictions"] >= 20               # storing the three agents filled the CPU tier
         if cpu_load_gbps is not None:
             assert in_cpu(engine, coder) == 0
-            assert worker._prefetcher.stats["skipped_slower_than_recompute"] == 1
+            assert worker.worker_side.prefetcher.stats["skipped_slower_than_recompute"] == 1
             assert stats["prefetch_skipped_slower"] == 1 and "prefetch_chunks_loaded" not in stats
             return
         assert in_cpu(engine, coder) == 20

@@ -1,0 +1,180 @@
+"""CacheScout on vLLM's scheduler: the policy core, the GPU steering, the shared state, and what
+each step sends the workers.
+
+`CacheScoutConnector` (vllm_connector.py) hands its scheduler-role callbacks here. Each does O(1)
+work or the step's batch of it, timed on this thread's CPU clock. The first failure inside
+CacheScout turns it off for good (logged once, counted in the `failed` gauge): from then on every
+callback returns at once and vLLM's own LRU order stands.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from cachescout.policy import CacheScoutPolicy
+
+from .gpu_steering import GpuSteering
+from .reporting import CacheScoutMetadata, CounterReport
+from .settings import ConnectorSettings
+from .shared_state import SharedLearnedState
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.request import Request
+
+log = logging.getLogger("cachescout.connector")
+_SCORES_INTERVAL_S = 1.0   # agent scores go to the workers at most this often
+_REPORT_INTERVAL_S = 1.0   # counters go to vLLM's metrics about this often
+_POLICY_COUNTERS = ("predictions", "predictions_correct", "requests", "recognised")
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, *, budget_tokens: int, max_seqs: int,
+                 shared: Callable[[], SharedLearnedState] | None = None) -> None:
+        """`shared` builds the shared state (None: this replica learns alone)."""
+        self.settings = settings
+        self.policy = CacheScoutPolicy(settings.policy)
+        self.steering = GpuSteering(self.policy, ahead_blocks=settings.steer_ahead_blocks,
+                                    ahead_factor=settings.steer_ahead_factor, budget_tokens=budget_tokens,
+                                    max_seqs=max_seqs, steer=settings.steer_gpu)
+        self.failed = False
+        self.decision_s = 0.0      # this thread's CPU seconds in CacheScout's work
+        self.steps = 0
+        self.open_requests = 0     # seen by `arrived`, not yet finished
+        self.report = CounterReport()
+        self._reported_degraded = 0
+        self._scores_epoch = -1
+        self._scores_sent_at = float("-inf")
+        self._prefetch_sent: set[str] = set()
+        self.shared: SharedLearnedState | None = None
+        if shared is not None:
+            self.shared = shared()
+            self.shared.attach(self.policy)
+            self.shared.start()
+
+    def set_clock(self, clock: Callable[[], float]) -> None:
+        """Replace the wall clock (the benchmark replays on a virtual one)."""
+        self.policy.clock = clock
+        self.steering.clock = clock
+
+    # -- vLLM's scheduler callbacks -------------------------------------------------------------
+    def bind(self, kv_cache_manager: KVCacheManager) -> None:
+        managers = kv_cache_manager.coordinator.single_type_managers
+        if len(managers) != 1:
+            log.warning("CacheScout: %d KV cache groups; GPU steering supports one and is off", len(managers))
+            return
+        req_to_blocks = managers[0].req_to_blocks
+        self.steering.bind(kv_cache_manager.block_pool, lambda rid: req_to_blocks.get(rid) or ())
+
+    def arrived(self, request: Request) -> None:
+        self.open_requests += 1
+        self._safely(self.steering.arrived, request)
+
+    def matched(self, request_id: str, num_computed_tokens: int) -> None:
+        self._safely(self.steering.matched, request_id, num_computed_tokens)
+
+    def allocated(self, request: Request) -> None:
+        self._safely(self.steering.allocated, request)
+
+    def finished(self, request: Request) -> None:
+        """Files the blocks the request filled since its allocation: CacheScout's work, timed."""
+        self.open_requests = max(0, self.open_requests - 1)
+        if not self.failed:
+            t0 = time.thread_time()
+            self._safely(self.steering.finished, request)
+            self.decision_s += time.thread_time() - t0
+
+    def step(self) -> CacheScoutMetadata:
+        """Once per scheduler step: steer, install a merged model if one is ready, and send the
+        workers the agents' scores when they changed."""
+        if self.failed:
+            return CacheScoutMetadata()
+        # CPU time of this (the scheduler's) thread: what CacheScout adds to a step, without
+        # other processes' or threads' turns on a shared machine.
+        t0 = time.thread_time()
+        self._safely(self.steering.step)
+        if self.shared is not None:
+            try:
+                self.shared.on_step(self.policy)
+            except Exception:   # a bad merged model: keep predicting from what we have
+                log.exception("CacheScout: could not install the shared model; sharing is off")
+                self.shared.close(final_flush=False)
+                self.shared = None
+        self.steps += 1
+        meta = CacheScoutMetadata()
+        # Workers get the agents' scores after a rescoring, at most once a second (LMCache's
+        # CPU tier changes on that scale; computing them costs a pass over live sessions).
+        epoch = self.policy.rescore_epoch
+        now = self.steering.clock()
+        if epoch != self._scores_epoch and now - self._scores_sent_at >= _SCORES_INTERVAL_S and not self.failed:
+            self._scores_epoch = epoch
+            self._scores_sent_at = now
+            try:
+                probs = self.policy.next_agent_probabilities()
+                scores = {agent: p * conf for agent, (p, conf) in probs.items()}   # 0 when unsure: LRU
+                meta = CacheScoutMetadata(scores, self._prefetch_requests(probs))
+            except Exception:
+                log.exception("CacheScout: could not compute agent scores for the workers")
+        self.decision_s += time.thread_time() - t0   # all of CacheScout's work in this step
+        return meta
+
+    def _prefetch_requests(self, probs: dict[str, tuple[float, float]]) -> list[tuple[list[int], dict]]:
+        """Anchors of agents that just became likely enough to be called next (each once per
+        crossing of the thresholds, so a steady prediction is not re-sent every rescoring)."""
+        cfg = self.policy.cfg
+        anchors = self.steering.anchors
+        likely = {a for a, (p, conf) in probs.items()
+                  if p >= cfg.prefetch_min_probability and conf >= cfg.prefetch_min_confidence and a in anchors}
+        new = likely - self._prefetch_sent
+        self._prefetch_sent = likely
+        return [anchors[a] for a in sorted(new)]
+
+    def _safely(self, work: Callable[..., None], *args: Any) -> None:
+        """Run steering work unless CacheScout is off; on any failure never take the scheduler
+        down: steering goes off for good and vLLM's own order stands."""
+        if self.failed:
+            return
+        try:
+            work(*args)
+        except Exception:
+            self.failed = True
+            log.exception("CacheScout: steering failed; vLLM's LRU order is used from now on")
+
+    # -- reporting ------------------------------------------------------------------------------
+    def counters(self) -> dict[str, Any] | None:
+        """The counters that moved since the last report, about once a second (and at once when
+        the last request in flight has finished: an idle server takes no steps, so what its last
+        requests did would otherwise never be reported); None when there is nothing to send."""
+        t = self.steering.clock()
+        if t - self.report.at < _REPORT_INTERVAL_S and self.open_requests:
+            return None
+        self.report.at = t
+        now: dict[str, float] = dict(self.steering.stats)
+        for k in _POLICY_COUNTERS:
+            now[k] = self.policy.stats.get(k, 0)
+        now["decision_s"] = self.decision_s
+        now["steps"] = self.steps
+        now["failed"] = int(self.failed)
+        shared = self.shared
+        if shared is not None:
+            st = shared.stats
+            now["state_flushes"] = st["flush_ok"]
+            now["state_merges"] = st["merges"]
+            now["state_errors"] = st["errors"] + st["auth_errors"] + st["internal_errors"]
+            now["state_rejected_blobs"] = st["rejected_blobs"]
+        delta = self.report.since_last(now)
+        if shared is not None:
+            # A level, not a count: sent while degraded and once when it clears.
+            degraded = int(shared.degraded)
+            if degraded or self._reported_degraded:
+                delta["state_degraded"] = degraded
+            self._reported_degraded = degraded
+        return delta or None
+
+    def shutdown(self) -> None:
+        if self.shared is not None:
+            self.shared.close()   # last flush, bounded by the client's short timeouts
+            self.shared = None
