@@ -26,7 +26,7 @@ import statistics
 import time
 import tracemalloc
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig, TransitionLearner
 
@@ -40,7 +40,7 @@ REPLAY_POLICIES = ("lru", "continuum", "kvflow", "cachescout", "cachescout-hints
                    "cachescout-hashonly", "belady")
 
 
-def _median_us(samples_ns: list[float]) -> float:
+def _median_us(samples_ns: Sequence[float]) -> float:
     return statistics.median(samples_ns) / 1e3
 
 
@@ -66,7 +66,7 @@ def bench_observe() -> dict:
     for s in sessions:
         for c in s.calls:
             tokens = c.prompt()
-            calls.append((s.session_id, c, tokens, chain_hashes(tokens, 16)))
+            calls.append((s.session_id, c, tokens, cast(list[int], chain_hashes(tokens, 16))))   # ints, typed Hashable
     policy = CacheScoutPolicy(PolicyConfig(), clock=lambda: 0.0)
     samples = []
     for i, (_, call, tokens, hashes) in enumerate(calls):
@@ -117,7 +117,7 @@ def _filled_policy(agents: int = 50, blocks: int = 100_000, sessions: int = 2000
 def bench_victims() -> dict:
     parts = _filled_policy().inspect()
     free = parts.index.n_free
-    out = {"free_blocks": free, "groups": sum(1 for _ in parts.index.groups())}
+    out: dict[str, float] = {"free_blocks": free, "groups": sum(1 for _ in parts.index.groups())}
     t0 = time.perf_counter_ns()
     parts.scorer.invalidate()
     parts.scorer.score(parts.index)
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as fh:
                 json.dump(speeds, fh, indent=1)
         return 0
-    figures = {"machine": machine()}
+    figures: dict[str, Any] = {"machine": machine()}
     figures["learner_update_median_us"] = bench_learner_update()
     figures.update(bench_observe())
     figures.update(bench_victims())

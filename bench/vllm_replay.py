@@ -147,7 +147,7 @@ class VllmReplayResult:
         hit = sum(c.hit_tokens or 0 for c in done)
         cpu = sum(c.cpu_hit_tokens for c in done)
         redis = sum(c.redis_hit_tokens for c in done)
-        ttft = sorted(c.first_token_at - c.issued_at for c in done)
+        ttft = sorted(c.first_token_at - c.issued_at for c in done if c.first_token_at is not None)
         return {
             "policy": self.policy,
             "engine": "vllm",
@@ -242,7 +242,7 @@ class VllmReplay:
             if not out.num_scheduled_tokens:
                 raise CacheTooSmall("vLLM scheduled nothing: a call needs more KV blocks than the cache holds")
             prefill_tokens = decode_seqs = context = 0
-            sampled = []
+            sampled: list[list[int]] = []
             ids = list(out.num_scheduled_tokens)
             for rid in ids:
                 c = live[rid]
@@ -280,9 +280,10 @@ class VllmReplay:
                     if isinstance(v, (int, float)):
                         self.reported_stats[k] = self.reported_stats.get(k, 0) + v
                 for o in outs.outputs:
-                    c = live.get(o.request_id)
-                    if c is None:
+                    done_call = live.get(o.request_id)
+                    if done_call is None:
                         continue
+                    c = done_call
                     if o.prefill_stats is not None and c.hit_tokens is None:
                         c.hit_tokens = o.prefill_stats.num_local_cached_tokens
                         if self.tiers is not None:
@@ -304,7 +305,8 @@ class VllmReplay:
         connector_s = 0.0
         if self.connector is not None:
             connector_s = self.connector.decision_s
-            stats = dict(self.connector.steering.stats) | dict(self.connector.policy.stats)
+            steering = self.connector.steering
+            stats = dict(steering.stats if steering is not None else {}) | dict(self.connector.policy.stats)
         self.preemptions = sum(self._preempted.values())
         return VllmReplayResult(self.policy, done, self.now, steps, self.preemptions, sched_s, connector_s, stats)
 
@@ -366,19 +368,19 @@ def format_engine_table(report: dict) -> str:
     tiered = bool(report.get("cpu_blocks") or report.get("redis_blocks"))
     tiers = (f"; LMCache's CPU ({report.get('cpu_blocks', 0)}) and Redis ({report.get('redis_blocks', 0)} blocks) "
              "tiers modelled" if tiered else " (GPU tier only)")
-    twins = {r["policy"]: r.get("fast_policy", r["policy"]) for r in report["results"]}
-    twins = ", ".join(f"{p} with {t}" for p, t in twins.items() if t != p)
+    fast_of = {r["policy"]: r.get("fast_policy", r["policy"]) for r in report["results"]}
+    twins = ", ".join(f"{p} with {t}" for p, t in fast_of.items() if t != p)
     if twins:
         tiers += f"; fast-replay counterparts (what the policy sees inside vLLM): {twins}"
     head = (f"{report['workload']}: {report['calls']} calls on vLLM {report['vllm_version']}'s scheduler, "
             f"GPU cache {report['gpu_blocks']} blocks x {report['block_size']} tokens{tiers}")
-    cols = ("policy", "GPU hit vLLM", "GPU hit fast", "difference")
+    cols: tuple[str, ...] = ("policy", "GPU hit vLLM", "GPU hit fast", "difference")
     if tiered:
         cols += ("all tiers vLLM", "all tiers fast", "difference")
     cols += ("TTFT mean", "scheduler/step", "connector/step", "of step time")
     rows = [cols]
     for r in report["results"]:
-        row = (r["policy"], f"{r['gpu_token_hit_rate']:.4f}", f"{r['fast_gpu_token_hit_rate']:.4f}",
+        row: tuple[str, ...] = (r["policy"], f"{r['gpu_token_hit_rate']:.4f}", f"{r['fast_gpu_token_hit_rate']:.4f}",
                f"{100 * r['engine_difference']:+.2f} pt")
         if tiered:
             row += (f"{r['token_hit_rate']:.4f}", f"{r['fast_token_hit_rate']:.4f}",

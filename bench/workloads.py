@@ -26,6 +26,7 @@ import math
 import random
 from collections.abc import Iterator, Sequence
 from importlib import resources
+from typing import Generic, TypeVar
 
 from cachescout.policy import ExternalError, InputError
 
@@ -90,8 +91,11 @@ class Call:
         return len(self.output)
 
 
+CallT = TypeVar("CallT")   # a workload's `Call`, or a trace's `TraceCall`
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
-class Session:
+class Session(Generic[CallT]):
     """One workflow instance: calls issued in order, closed-loop by default (each call its
     predecessor's `think_s` after that one finished).
 
@@ -105,7 +109,7 @@ class Session:
     session_id: str
     family: str
     arrival_s: float
-    calls: tuple[Call, ...]
+    calls: tuple[CallT, ...]
     offsets_s: tuple[float, ...] = ()
     parent: str | None = None
     after_call: int = 0

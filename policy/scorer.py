@@ -25,7 +25,7 @@ from typing import Final, cast
 from .config import PolicyConfig
 from .costs import RebuildCost
 from .eviction import EvictionIndex, Group
-from .sessions import Session, SessionTracker
+from .sessions import Session, SessionTracker, SessionView
 from .traffic import Traffic
 from .transitions import END, START, HorizonRow, LearnerRef
 
@@ -242,8 +242,8 @@ class SurvivalScorer:
         for s in self._sessions.recent(now, max(traffic.think.longest(), 1e-3) * _ALIVE_IDLE_THINKS):
             if s.agent is None:
                 continue
-            view = self._view(s, s.agent, now, rnd, per_agent, overrides, wanted)
             sv = s.view
+            view = self._view(s, sv, s.agent, now, rnd, per_agent, overrides, wanted)
             t_next, alive = sv.t_next, sv.alive
             used = s.anchor_nodes
             for x, p, e in view.uses:
@@ -294,7 +294,7 @@ class SurvivalScorer:
                 else:
                     # Most live sessions were viewed above.
                     sv = ses.view
-                    row = (self._view(ses, ses.agent, now, rnd, per_agent, overrides, wanted).row
+                    row = (self._view(ses, sv, ses.agent, now, rnd, per_agent, overrides, wanted).row
                            if sv.round != rnd else cast(HorizonRow, sv.row))
                     t_next, alive = sv.t_next, sv.alive
                     p = row.reach.get(agent, 0.0)
@@ -343,18 +343,18 @@ class SurvivalScorer:
                 g.model = floor
         index.scores_changed()
 
-    def _view(self, s: Session, agent: str, now: float, rnd: int, per_agent: dict[str, _AgentView],
-              overrides: Mapping[object, str] | None, wanted: set[str | None]) -> _AgentView:
-        """`score`'s view of one session in rescoring `rnd`, written on the session (time to its
-        next call, probability it is still going, its agent's row, the agent it is hinted to call
-        next); returns its agent's view."""
+    def _view(self, s: Session, sv: SessionView, agent: str, now: float, rnd: int,
+              per_agent: dict[str, _AgentView], overrides: Mapping[object, str] | None,
+              wanted: set[str | None]) -> _AgentView:
+        """`score`'s view of session `s` in rescoring `rnd`, written into its `sv` (time to its next
+        call, probability it is still going, its agent's row, the agent it is hinted to call next);
+        returns its agent's view."""
         view = per_agent.get(agent)
         if view is None:
             row = self._row(agent)
             traffic = self._traffic
             view = per_agent[agent] = _AgentView(row, max(traffic.think.get(agent), 1e-3), traffic.duration.get(agent),
                                                  tuple(u for u in row.uses if u[0] in wanted))
-        sv = s.view
         sv.t_next, sv.alive = _next_call(s, now, view.think, view.duration)
         sv.row = view.row
         sv.next_agent = overrides.get(s.sid) if overrides else None

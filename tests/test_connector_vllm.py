@@ -349,7 +349,7 @@ def test_replicas_share_what_they_learned_through_redis(short_workload, redis_se
     merged = sum(c for _, _, c in second.connector.policy.transitions())
     assert merged - own >= 0.5 * learned, (merged, own, learned)
     assert len(result.calls) > 0 and state.stats["flush_ok"] >= 1 and state.status()["degraded"] == 0
-    reported = second.connector.scheduler_side.report.last      # what vLLM's scheduler has collected for its metrics so far
+    reported = second.connector.scheduler_side.report.last   # what vLLM has collected for its metrics so far
     assert reported["state_flushes"] >= 1 and reported["state_merges"] >= 1 and reported["state_errors"] == 0
     second.connector.shutdown()
     assert second.pool_all_free()
