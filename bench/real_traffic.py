@@ -61,7 +61,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     blocks = calibrate_gpu_blocks(sessions, bs, target=cell.target, prompt_keys=keys)
     cpu = int(cell.cpu_ratio * blocks)
     base = CostProfile()
-    cfg = PolicyConfig(block_size=bs)
+    cfg = PolicyConfig(block_size=bs, **base.policy_settings())
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in cell.policies}
     bounds = []
     for j in range(cell.jitters):

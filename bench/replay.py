@@ -72,6 +72,13 @@ class CostProfile:
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(name=name, **{k: v for k, v in profiles[name].items() if k in fields})
 
+    def policy_settings(self) -> dict[str, float]:
+        """The policy's rebuild-cost settings (`PolicyConfig`) for this hardware: what an operator
+        sets for their model and tiers, so the policy believes what the replay's clock does."""
+        return {"kv_bytes_per_token": self.kv_bytes_per_token, "recompute_s_per_token": self.prefill_s_per_token,
+                "cpu_load_gbps": self.cpu_gbps, "cpu_load_latency_s": self.cpu_latency_s,
+                "redis_load_gbps": self.redis_gbps, "redis_load_latency_s": self.redis_latency_s}
+
     def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
         t = self.step_overhead_s + prefill_tokens * self.prefill_s_per_token
         if decode_seqs:

@@ -147,7 +147,7 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         return _on_vllm(name, sessions, cfg, opts, progress, prompt_keys)
     labelled = all(c.agent is not None for s in sessions for c in s.calls)
     results = []
-    policy_cfg = dataclasses.replace(opts.policy_config, block_size=block_size)
+    policy_cfg = dataclasses.replace(opts.policy_config, block_size=block_size, **cfg.cost.policy_settings())
     policies = [p for p in opts.policies if labelled or opts.policies_chosen or p not in NEED_AGENTS]
     for policy_name in policies:
         if policy_name in NEED_AGENTS and not labelled:
@@ -242,7 +242,7 @@ def _on_vllm(name: str, sessions: Sequence[Session], cfg: EngineConfig, opts: Be
     """The same sessions and cache size on vLLM's scheduler and on the fast engine."""
     from .vllm_replay import compare_engines, vllm_version   # imports vLLM: only when asked for
 
-    policy_cfg = dataclasses.replace(opts.policy_config, block_size=cfg.block_size)
+    policy_cfg = dataclasses.replace(opts.policy_config, block_size=cfg.block_size, **cfg.cost.policy_settings())
     fast = {}
     tiered = bool(cfg.cpu_blocks or cfg.redis_blocks)
     names = list(dict.fromkeys([*opts.policies, *(fast_twin(p, sessions, tiered) for p in opts.policies)]))

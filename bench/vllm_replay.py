@@ -181,6 +181,8 @@ class VllmReplay:
         self.policy = policy
         self.now = 0.0
         extra = dict(connector_config or {}) if policy == "cachescout" else None
+        if extra is not None:   # the policy believes the hardware the clock models (its own settings first)
+            extra["policy"] = {**cfg.cost.policy_settings(), **dict(extra.get("policy") or {})}
         tiers = ({"cpu_blocks": cfg.cpu_blocks, "redis_blocks": cfg.redis_blocks, "cost": cfg.cost.name}
                  if tiered else None)
         self.scheduler = build_scheduler(cfg.gpu_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,

@@ -43,7 +43,7 @@ GOLDEN_FIGURES = {
            "belady": 0.8235, "kvflow": 0.7646, "continuum": 0.721},
 }
 # ... and with LMCache's CPU and Redis tiers (half and one GPU cache), over all tiers.
-GOLDEN_TIERED = {"lru": 0.5878, "lmcache-lru": 0.6474, "kvflow": 0.6642, "cachescout": 0.6849}
+GOLDEN_TIERED = {"lru": 0.5878, "lmcache-lru": 0.6474, "kvflow": 0.6642, "cachescout": 0.681}
 
 
 @pytest.mark.parametrize("blocks", sorted(GOLDEN_FIGURES))
@@ -258,3 +258,35 @@ def test_a_replay_makes_no_reference_cycles(name):
         gc.set_debug(0)
         gc.garbage.clear()
     assert result.summary()["evictions"] > 0
+
+
+def test_the_policys_cost_defaults_are_the_default_cost_profile():
+    """The policy's rebuild-cost settings ship with the hardware the benchmark models by default,
+    so a replay with default settings believes what its clock does."""
+    from cachescout.bench.replay import CostProfile
+
+    profile = CostProfile.named(BenchOptions().cost_profile)
+    defaults = PolicyConfig()
+    assert {k: getattr(defaults, k) for k in profile.policy_settings()} == profile.policy_settings()
+
+
+@pytest.mark.parametrize("profile", ["llama3.1-8b-h100", "tiny-llama-cpu"])
+def test_the_cost_profile_reaches_the_policy(monkeypatch, profile):
+    """`--cost-profile` sets the policy's cost figures as well as the replay's clock."""
+    import cachescout.bench.run as run_mod
+    from cachescout.bench.replay import CostProfile
+
+    seen = []
+
+    def recording(name, config, sessions=()):
+        seen.append((name, config))
+        return make_policy(name, config, sessions)
+
+    monkeypatch.setattr(run_mod, "make_policy", recording)
+    sessions = generate(WorkloadSpec(family="gsm8k", sessions=6, seed=3))
+    run_sessions("gsm8k", sessions, 16, BenchOptions(policies=("lru", "cachescout"), sweeps=False,
+                                                      cost_profile=profile, gpu_blocks=400, cpu_ratio=0.5))
+    want = CostProfile.named(profile).policy_settings()
+    used = [cfg for name, cfg in seen if name == "cachescout"]
+    assert used and all({k: getattr(cfg, k) for k in want} == want for cfg in used)
+    assert want != CostProfile().policy_settings()   # the profile differs from the default: the check can fail
