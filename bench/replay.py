@@ -72,7 +72,7 @@ class CostProfile:
         fields = {f.name for f in dataclasses.fields(cls)}
         return cls(name=name, **{k: v for k, v in profiles[name].items() if k in fields})
 
-    def policy_settings(self) -> dict[str, float]:
+    def policy_settings(self) -> dict[str, Any]:
         """The policy's rebuild-cost settings (`PolicyConfig`) for this hardware: what an operator
         sets for their model and tiers, so the policy believes what the replay's clock does."""
         return {"kv_bytes_per_token": self.kv_bytes_per_token, "recompute_s_per_token": self.prefill_s_per_token,

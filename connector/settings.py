@@ -13,8 +13,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from cachescout.policy import ConfigError, PolicyConfig
-from cachescout.policy import check_value
+from cachescout.policy import ConfigError, PolicyConfig, check_fields, check_mapping, reject_unknown, setting
 
 from .shared_state import SharedStateSettings
 
@@ -22,14 +21,17 @@ from .shared_state import SharedStateSettings
 @dataclasses.dataclass(frozen=True)
 class ConnectorSettings:
     policy: PolicyConfig = PolicyConfig()
-    steer_gpu: bool = True            # reorder vLLM's free queue by CacheScout's eviction order
-    steer_ahead_blocks: int = 16      # at least this many next victims are put at the queue's head
-    steer_ahead_factor: float = 1.5   # ... or this many times the most blocks the next step can allocate
-    store_wait_ms: float = 50.0       # LMCache store path: wait this long for CPU-tier room before dropping
+    steer_gpu: bool = setting(True, "reorder vLLM's free queue by CacheScout's eviction order")
+    steer_ahead_blocks: int = setting(16, "at least this many next victims are put at the queue's head",
+                                      lo=1, hi=1_000_000)
+    steer_ahead_factor: float = setting(
+        1.5, "... or this many times the most blocks the next step can allocate", lo=0, hi=1_000_000)
+    store_wait_ms: float = setting(
+        50.0, "LMCache store path: wait this long for CPU-tier room before dropping", lo=0, hi=10_000)
     shared_state: SharedStateSettings | None = None   # learn with the other replicas through Redis
 
-    _LIMITS = {"steer_gpu": ("bool", None, None), "steer_ahead_blocks": ("int", 1, 1_000_000),
-               "steer_ahead_factor": ("float", 0, 1_000_000), "store_wait_ms": ("float", 0, 10_000)}
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, block_size: int | None = None,
@@ -39,11 +41,7 @@ class ConnectorSettings:
         if extra is not None and not isinstance(extra, Mapping):
             raise ConfigError(f"kv_connector_extra_config must be a JSON object, got {type(extra).__name__}")
         extra = dict(extra or {})
-        known = {"policy", "steer_gpu", "steer_ahead_blocks", "steer_ahead_factor", "store_wait_ms", "shared_state"}
-        unknown = sorted(set(extra) - known)
-        if unknown:
-            raise ConfigError(f"kv_connector_extra_config: unknown key(s) {', '.join(map(repr, unknown))}; "
-                              f"accepted: {', '.join(sorted(known))}")
+        reject_unknown(extra, {f.name for f in dataclasses.fields(cls)}, "kv_connector_extra_config: unknown key(s)")
         policy = extra.pop("policy", None)
         policy = {} if policy is None else policy
         if not isinstance(policy, Mapping):
@@ -58,9 +56,7 @@ class ConnectorSettings:
             policy_cfg = PolicyConfig.from_mapping(policy)
         except ConfigError as exc:
             raise ConfigError(f"kv_connector_extra_config.policy: {exc}") from None
-        for name, (kind, lo, hi) in cls._LIMITS.items():
-            if name in extra:
-                check_value(f"kv_connector_extra_config.{name}", extra[name], kind, lo, hi)
+        check_mapping(cls, extra, "kv_connector_extra_config")
         shared = extra.pop("shared_state", None)
         if shared is not None:
             shared = SharedStateSettings.from_mapping(shared, "kv_connector_extra_config.shared_state",

@@ -40,7 +40,8 @@ from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
 from cachescout.policy import (SHARED_NAME_PREFIX, CacheScoutPolicy, ConfigError, ExternalError, StateDecodeError,
-                               TransitionLearner, TransitionSnapshot, check_value, reject_unknown)
+                               TransitionLearner, TransitionSnapshot, check_fields, check_mapping, reject_unknown,
+                               setting)
 from cachescout.policy.state import MAX_BLOB_BYTES
 
 from .state_store import NAME_RULE, SCHEMA, StateKeys, StateStore, StoreView
@@ -63,40 +64,36 @@ class SharedStateSettings:
     """Where and how replicas share their learned transitions (`shared_state` in the connector's
     settings). Secrets are never values here: `password_env`/`password_file` name where the password is."""
 
-    url: str | None = None                   # redis://, rediss:// (TLS) or unix://; no password in it
+    url: str | None = setting(None, "redis://, rediss:// (TLS) or unix://; no password in it")
     sentinels: tuple[str, ...] = ()          # "host:port" of Sentinels; with sentinel_service, replaces url
-    sentinel_service: str | None = None
-    sentinel_tls: bool = False               # Sentinels and the master speak TLS (with url: rediss:// says so)
-    cluster: bool = False                    # url points at a Redis Cluster node
-    deployment: str = "default"
-    model: str | None = None                 # default: vLLM's model name
-    replica: str | None = None               # default: $POD_NAME, else the host name
-    username: str | None = None              # Redis ACL user
-    password_env: str | None = None
-    password_file: str | None = None
-    tls_ca_file: str | None = None
-    tls_cert_file: str | None = None
-    tls_key_file: str | None = None
-    flush_interval_s: float = 5.0
-    timeout_s: float = 0.25
-    retries: int = 1
-    breaker_failures: int = 3
-    breaker_max_cooldown_s: float = 30.0
-    fold_after_s: float = 600.0              # a replica silent this long is folded into "departed"
-    departed_half_life_s: float = 3600.0     # a departed replica's counts halve in weight this often
-    replica_ttl_s: float = 7 * 86400.0
-    max_blob_bytes: int = 4 * 1024 * 1024
-    max_replicas: int = 256
+    sentinel_service: str | None = setting(None, "the master's name at the Sentinels")
+    sentinel_tls: bool = setting(False, "Sentinels and the master speak TLS (with url: rediss:// says so)")
+    cluster: bool = setting(False, "url points at a Redis Cluster node")
+    deployment: str = setting("default", "the deployment's name: replicas of one share their state")
+    model: str | None = setting(None, "the served model's name (default: vLLM's)")
+    replica: str | None = setting(None, "this replica's name (default: $POD_NAME, else the host name)")
+    username: str | None = setting(None, "Redis ACL user")
+    password_env: str | None = setting(None, "environment variable holding the password")
+    password_file: str | None = setting(None, "file holding the password")
+    tls_ca_file: str | None = setting(None, "CA certificate file (rediss://)")
+    tls_cert_file: str | None = setting(None, "client certificate file (mutual TLS)")
+    tls_key_file: str | None = setting(None, "client key file (mutual TLS)")
+    flush_interval_s: float = setting(5.0, "seconds between flushes of this replica's counts", lo=0.05, hi=3600.0)
+    timeout_s: float = setting(0.25, "seconds every Redis call may take", lo=0.01, hi=10.0)
+    retries: int = setting(1, "retries of a failed Redis call", lo=0, hi=5)
+    breaker_failures: int = setting(3, "failed rounds in a row that open the circuit breaker", lo=1, hi=100)
+    breaker_max_cooldown_s: float = setting(30.0, "longest pause of an open breaker", lo=0.1, hi=3600.0)
+    fold_after_s: float = setting(600.0, "a replica silent this long is folded into \"departed\"",
+                                  lo=0.15, hi=30 * 86400.0)
+    departed_half_life_s: float = setting(3600.0, "a departed replica's counts halve in weight this often",
+                                          lo=1.0, hi=365 * 86400.0)
+    replica_ttl_s: float = setting(7 * 86400.0, "a replica's entry expires after this long without a flush",
+                                   lo=60.0, hi=365 * 86400.0)
+    max_blob_bytes: int = setting(4 * 1024 * 1024, "largest state entry read or written", lo=1024, hi=MAX_BLOB_BYTES)
+    max_replicas: int = setting(256, "replicas whose entries are read", lo=1, hi=10_000)
 
-    _NUMBERS = {
-        "flush_interval_s": ("float", 0.05, 3600.0), "timeout_s": ("float", 0.01, 10.0),
-        "breaker_max_cooldown_s": ("float", 0.1, 3600.0), "fold_after_s": ("float", 0.15, 30 * 86400.0),
-        "departed_half_life_s": ("float", 1.0, 365 * 86400.0), "replica_ttl_s": ("float", 60.0, 365 * 86400.0),
-        "retries": ("int", 0, 5), "breaker_failures": ("int", 1, 100), "max_blob_bytes": ("int", 1024, MAX_BLOB_BYTES),
-        "max_replicas": ("int", 1, 10_000), "cluster": ("bool", None, None), "sentinel_tls": ("bool", None, None),
-    }
-    _STRINGS = ("url", "sentinel_service", "deployment", "model", "replica", "username", "password_env",
-                "password_file", "tls_ca_file", "tls_cert_file", "tls_key_file")
+    def __post_init__(self) -> None:
+        check_fields(self)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any], where: str = "shared_state", *,
@@ -107,13 +104,7 @@ class SharedStateSettings:
             raise ConfigError(f"{where} must be a JSON object, got {type(raw).__name__}")
         reject_unknown(raw, {f.name for f in dataclasses.fields(cls)}, f"{where}: unknown key(s)")
         values = dict(raw)
-        for name in cls._STRINGS:
-            v = values.get(name)
-            if v is not None and (not isinstance(v, str) or not v):
-                raise ConfigError(f"{where}.{name} must be a non-empty string, got {v!r}")
-        for name, (kind, lo, hi) in cls._NUMBERS.items():
-            if name in values:
-                check_value(f"{where}.{name}", values[name], kind, lo, hi)
+        check_mapping(cls, values, where)
         sentinels = values.get("sentinels", ())
         if not isinstance(sentinels, (list, tuple)) or not all(
                 isinstance(s, str) and _host_port(s) is not None for s in sentinels):
