@@ -95,9 +95,11 @@ def test_a_changed_readme_cell_is_caught(texts):
 def test_the_readme_tier_figures_are_the_tier_results(texts):
     readme, results = texts
     runs = _runs(_section(results, "With LMCache's CPU and Redis tiers"))
-    got = re.search(r"CacheScout reaches ([0-9./\s]+?) against LMCache's LRU at ([0-9./\s]+?)\.\s", readme)
+    got = re.search(r"CacheScout reaches ([0-9./\s]+?) against LMCache's LRU at ([0-9./\s]+?);.*?"
+                    r"\(([0-9./\s]+?) without it\)", readme, re.S)
     assert got is not None, "the README no longer states the tier figures the way this test reads them"
-    ours, theirs = ([v.strip() for v in g.split("/")] for g in got.groups())
+    ours, theirs, without = ([v.strip() for v in g.split("/")] for g in got.groups())
     families = list(FAMILIES.values())
     assert ours == [runs[f]["rows"]["cachescout"]["hit"] for f in families]
     assert theirs == [runs[f]["rows"]["lmcache-lru"]["hit"] for f in families]
+    assert without == [runs[f]["rows"]["cachescout-noprefetch"]["hit"] for f in families]
