@@ -32,27 +32,7 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                         "environment, docs/usage.md)")
     b.add_argument("--sessions", type=_number(1, _COUNT, integer=True), default=None,
                    help="sessions per workload (default 300; with --engine serve 30)")
-    b.add_argument("--rate", type=_number(0, 1e6, lo_open=True),
-                   default=2.0, help="session arrivals per second (default 2)")
-    b.add_argument("--routing", default="learned", help="learned, uniform or random (default learned)")
-    b.add_argument("--arrivals", default="poisson", help="poisson or bursty (default poisson)")
-    b.add_argument("--seed", type=_number(0, 2**32 - 1, integer=True), default=1)
-    b.add_argument("--gpu-blocks", type=_number(1, _COUNT, integer=True), default=None,
-                   help="GPU cache size in blocks (default: sized per workload so LRU hits about 68%%)")
-    b.add_argument("--block-size", type=_number(1, 65536, integer=True), default=16)
-    b.add_argument("--cpu-blocks", type=_number(0, _COUNT, integer=True), default=0,
-                   help="LMCache CPU tier size in blocks for every policy but lru (default 0: none)")
-    b.add_argument("--redis-blocks", type=_number(0, _COUNT, integer=True),
-                   default=0, help="Redis tier size in blocks (default 0: none)")
-    b.add_argument("--cpu-ratio", type=_number(0, 1e4), default=0.0,
-                   help="CPU tier as a multiple of each workload's GPU cache (instead of --cpu-blocks)")
-    b.add_argument("--redis-ratio", type=_number(0, 1e4), default=0.0, help="Redis tier as a multiple of the GPU cache")
-    b.add_argument("--cost-profile", default="llama3.1-8b-h200",
-                   help="step-time profile from bench/data/cost_profiles.json (default llama3.1-8b-h200)")
-    b.add_argument("--trace", default=None, metavar="PATH",
-                   help="replay this trace instead: a Mooncake-style JSONL file (.jsonl, .jsonl.gz) or "
-                        "kv-cache-tester conversation files (.json, .json.gz: one file, or a folder of them, "
-                        "mixed); the format is detected (docs/workloads.md)")
+    _add_option_flags(b)
     b.add_argument("--trace-block-size", type=_number(1, 65536, integer=True), default=512,
                    help="block size of JSONL records without 'block_size' (default 512, as Mooncake)")
     b.add_argument("--strict-trace", action="store_true", help="reject a trace with any malformed record")
@@ -68,18 +48,11 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--trace-time-scale", type=_number(0, 1e6, lo_open=True), default=1.0, metavar="X",
                    help="multiply every timestamp, offset and think time by X (e.g. 10 to spread a cluster's "
                         "trace to one replica's load; default 1)")
-    b.add_argument("--export-trace", default=None, metavar="DIR",
-                   help="write each built-in workload's calls to DIR/<workload>.jsonl")
     b.add_argument("--json", default="results.json", help="where to write results (default results.json)")
     b.add_argument("--plots", default="results.png", help="where to write the PNG plots (default results.png)")
     b.add_argument("--no-sweeps", action="store_true", help="skip the cache-size and load sweeps (and the plots)")
-    b.add_argument("--ttft-budget-ms", type=_number(0, _SECONDS, lo_open=True), default=1000.0,
-                   help="p99 TTFT budget for the load sustained (default 1000)")
     b.add_argument("--jobs", type=_number(1, 256, integer=True), default=min(4, os.cpu_count() or 1),
                    help="workloads replayed in parallel processes (default: the CPU count, at most 4)")
-    b.add_argument("--fresh-process", action="store_true",
-                   help="replay each workload in a new Python process, one at a time (for CPU-time figures "
-                        "such as the connector's cost per step; overrides --jobs)")
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     s = b.add_argument_group("--engine serve")
     s.add_argument("--serve-configs", default=",".join(SERVE_CONFIGS),
@@ -95,6 +68,36 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     s.add_argument("--serve-time-scale", type=_number(0, 1e6, lo_open=True), default=0.05,
                    help="think times and arrivals multiplied by this (default 0.05)")
     s.add_argument("--serve-logs", default=None, metavar="DIR", help="keep the servers' logs here")
+
+
+_METAVARS = {"trace": "PATH", "export_trace": "DIR"}
+
+
+def _option_fields() -> list:
+    """BenchOptions' fields that are flags: those declared with `setting`."""
+    import dataclasses
+
+    from .run import BenchOptions
+    return [f for f in dataclasses.fields(BenchOptions) if "doc" in f.metadata]
+
+
+def _add_option_flags(b: argparse.ArgumentParser) -> None:
+    """One flag per `setting` field of BenchOptions: its type and range checked as it is parsed,
+    its meaning as the help, its default the field's."""
+    for f in _option_fields():
+        flag = "--" + f.name.replace("_", "-")
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        m = f.metadata
+        doc = m["doc"].replace("%", "%%")
+        if kind == "bool":
+            b.add_argument(flag, action="store_true", help=doc)
+            continue
+        shown = "" if f.default is None or "(default" in doc else (
+            f" (default {f.default:g})" if isinstance(f.default, (int, float)) else f" (default {f.default})")
+        number = kind.removesuffix(" | None")
+        parse = (_number(m["lo"], m["hi"], lo_open=m["lo_open"], integer=number == "int")
+                 if number in ("int", "float") else str)
+        b.add_argument(flag, type=parse, default=f.default, metavar=_METAVARS.get(f.name), help=doc + shown)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -142,16 +145,11 @@ def _bench(args: argparse.Namespace) -> int:
     _check_output_folders(args.json, None if args.no_sweeps or vllm else args.plots)
     if args.trace and args.export_trace:
         raise InputError("--export-trace writes the built-in workloads; it cannot be combined with --trace")
-    opts = BenchOptions(families=families, policies=policies, sessions=args.sessions, rate=args.rate,
-                        routing=args.routing, arrivals=args.arrivals, seed=args.seed,
-                        gpu_blocks=args.gpu_blocks, block_size=args.block_size, trace=args.trace,
+    opts = BenchOptions(**{f.name: getattr(args, f.name) for f in _option_fields()},
+                        families=families, policies=policies, sessions=args.sessions,
                         trace_options=trace_options, policies_chosen=args.policies is not None,
-                        export_trace=args.export_trace, cpu_blocks=args.cpu_blocks,
-                        redis_blocks=args.redis_blocks, cpu_ratio=args.cpu_ratio,
-                        redis_ratio=args.redis_ratio, cost_profile=args.cost_profile,
-                        sweeps=not (args.no_sweeps or vllm), engine=args.engine, ttft_budget_ms=args.ttft_budget_ms,
-                        plots=None if args.no_sweeps or vllm else args.plots, jobs=max(1, args.jobs),
-                        fresh_process=args.fresh_process)
+                        sweeps=not (args.no_sweeps or vllm), engine=args.engine,
+                        plots=None if args.no_sweeps or vllm else args.plots, jobs=max(1, args.jobs))
     progress = _progress_line if _shows_progress(args) else None
     report = run(opts, progress)
     if progress:

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import cast
 from pathlib import Path
 
-from cachescout.policy import NATIVE_STATUS, ExternalError, InputError, PolicyConfig
+from cachescout.policy import NATIVE_STATUS, ExternalError, InputError, PolicyConfig, check_fields, setting
 
 from .metrics import inference_accuracy
 from .policies import make_policy
@@ -28,34 +28,51 @@ TARGET_LRU_HIT = 0.68  # default pressure: LRU inside the 60-75% band
 CEILING_SHARE = 0.8    # ... or at this share of the unbounded cache's hit rate, if lower
 
 
+_COUNT = 10**9            # sessions, blocks: far above any machine's
+_SECONDS = 10**9
+
+
 @dataclasses.dataclass(frozen=True)
 class BenchOptions:
+    """What one benchmark run does. The fields declared with `setting` are also `cachescout bench`'s
+    flags of the same name (bench/command.py generates them: type, range, help and default)."""
+
     families: Sequence[str] = ("gsm8k", "mtbench", "gaia", "swebench")
     policies: Sequence[str] = DEFAULT_POLICIES
     sessions: int = 300
-    rate: float = 2.0
-    routing: str = "learned"
-    arrivals: str = "poisson"
-    seed: int = 1
-    gpu_blocks: int | None = None       # None: calibrate to TARGET_LRU_HIT per workload
-    block_size: int = 16
-    cpu_blocks: int = 0                 # LMCache CPU tier, in blocks (0: none)
-    redis_blocks: int = 0               # Redis tier, in blocks (0: none)
-    cpu_ratio: float = 0.0              # ... or as a multiple of each workload's GPU cache
-    redis_ratio: float = 0.0
-    cost_profile: str = "llama3.1-8b-h200"
+    rate: float = setting(2.0, "session arrivals per second", lo=0, lo_open=True, hi=1e6)
+    routing: str = setting("learned", "learned, uniform or random")
+    arrivals: str = setting("poisson", "poisson or bursty")
+    seed: int = setting(1, "seed of the workloads and of a trace's mix", lo=0, hi=2**32 - 1)
+    gpu_blocks: int | None = setting(
+        None, "GPU cache size in blocks (default: sized per workload so LRU hits about 68%)", lo=1, hi=_COUNT)
+    block_size: int = setting(16, "tokens per KV block", lo=1, hi=65536)
+    cpu_blocks: int = setting(0, "LMCache CPU tier size in blocks for every policy but lru; 0: none", lo=0, hi=_COUNT)
+    redis_blocks: int = setting(0, "Redis tier size in blocks; 0: none", lo=0, hi=_COUNT)
+    cpu_ratio: float = setting(
+        0.0, "CPU tier as a multiple of each workload's GPU cache (instead of --cpu-blocks)", lo=0, hi=1e4)
+    redis_ratio: float = setting(0.0, "Redis tier as a multiple of the GPU cache", lo=0, hi=1e4)
+    cost_profile: str = setting("llama3.1-8b-h200", "step-time and tier profile from bench/data/cost_profiles.json; "
+                                "the policy's cost settings are taken from it too")
     policy_config: PolicyConfig = PolicyConfig()
     sweeps: bool = True                 # cache-size and load sweeps (for the plots)
-    ttft_budget_ms: float = 1000.0      # p99 TTFT budget for "load sustained"
+    ttft_budget_ms: float = setting(1000.0, "p99 TTFT budget for the load sustained, in ms", lo=0, lo_open=True,
+                                    hi=_SECONDS)
     plots: str | None = None            # write the PNG here
     jobs: int = 1                       # workloads replayed in parallel processes
-    fresh_process: bool = False         # each workload in a new interpreter, one at a time (clean timings)
-    trace: str | None = None            # replay this trace (file or folder) instead of the built-in workloads
+    fresh_process: bool = setting(False, "replay each workload in a new Python process, one at a time (for "
+                                  "CPU-time figures such as the connector's cost per step; overrides --jobs)")
+    trace: str | None = setting(None, "replay this trace instead: a Mooncake-style JSONL file (.jsonl, "
+                                ".jsonl.gz) or kv-cache-tester conversation files (.json, .json.gz: one file, "
+                                "or a folder of them, mixed); the format is detected (docs/workloads.md)")
     trace_options: TraceOptions = TraceOptions()   # how to read it (block size, loop, mix of conversations)
-    export_trace: str | None = None     # write each built-in workload's calls here (a folder)
+    export_trace: str | None = setting(None, "write each built-in workload's calls to DIR/<workload>.jsonl")
     engine: str = "fast"                # "vllm": also replay on vLLM's own scheduler (GPU tier only)
     policies_chosen: bool = False       # False: `policies` is the default list, which leaves out
                                         # cachescout-hints on a trace that does not label agents
+
+    def __post_init__(self) -> None:
+        check_fields(self)
 
 
 Progress = Callable[[str], None]

@@ -164,6 +164,10 @@ def _check(f: dataclasses.Field, value: Any, name: str) -> None:
         if not isinstance(value, str) or not value:
             raise ConfigError(f"setting {name!r} must be a non-empty string, got {value!r:.80}")
         return
+    if kind.endswith(" | None"):   # an optional number: None means "not set"
+        if value is None:
+            return
+        kind = kind[:-len(" | None")]
     m = f.metadata
     check_value(name, value, kind, m["lo"], m["hi"], m["lo_open"])
 

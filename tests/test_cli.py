@@ -217,3 +217,28 @@ def test_bench_without_the_benchmark_installed_says_so(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "the benchmark is not installed" in err and err.count("\n") == 1
     assert main(["config", "--cpu-gib", "1"]) == 0
+
+
+def test_every_option_setting_is_a_flag_with_its_default_and_range():
+    """`cachescout bench`'s option flags are generated from BenchOptions: same name, default, range."""
+    import argparse
+    import dataclasses
+
+    from cachescout.bench.command import add_arguments
+    from cachescout.bench.run import BenchOptions
+    from cachescout.policy import ConfigError
+
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    defaults = parser.parse_args([])
+    fields = [f for f in dataclasses.fields(BenchOptions) if "doc" in f.metadata]
+    assert {f.name for f in fields} >= {"rate", "seed", "gpu_blocks", "cpu_ratio", "cost_profile", "trace"}
+    for f in fields:
+        assert getattr(defaults, f.name) == f.default, f.name
+        hi = f.metadata["hi"]
+        if hi is not None and f.type in ("int", "float", "int | None"):
+            too_big = str(int(hi) + 1) if "int" in f.type else str(hi * 2)
+            with pytest.raises(argparse.ArgumentError, match="--" + f.name.replace("_", "-")):
+                parser.parse_args(["--" + f.name.replace("_", "-"), too_big])
+            with pytest.raises(ConfigError, match=repr(f.name)):
+                BenchOptions(**{f.name: int(hi) + 1 if "int" in f.type else hi * 2})

@@ -90,3 +90,18 @@ def test_shared_state_doc_lists_every_setting_with_its_default():
         else:
             want = f"{f.default:,g}" if f.default < 1e5 else f"{int(f.default):,}"
         assert want in row.split("|")[1], (f.name, want, row)
+
+
+def test_settings_built_directly_are_checked_like_raw_input():
+    """One mechanism: constructing a settings object checks it as reading it from JSON does."""
+    from cachescout.connector.shared_state import SharedStateSettings
+
+    with pytest.raises(ConfigError, match="'steer_ahead_blocks' must be an integer >= 1"):
+        ConnectorSettings(steer_ahead_blocks=0)
+    with pytest.raises(ConfigError, match="'timeout_s' must be a finite number >= 0.01 and <= 10"):
+        SharedStateSettings(url="redis://127.0.0.1:6379/0", timeout_s=100.0)
+    with pytest.raises(ConfigError, match="'deployment' must be a non-empty string"):
+        SharedStateSettings(url="redis://127.0.0.1:6379/0", deployment="")
+    with pytest.raises(ConfigError, match="'kv_connector_extra_config.shared_state.timeout_s'"):
+        ConnectorSettings.from_extra_config({"shared_state": {"url": "redis://127.0.0.1:6379/0", "timeout_s": 100}},
+                                            block_size=16, check_environment=False)
