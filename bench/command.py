@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from cachescout.cli.args import add_setting_flags, setting_values
 from cachescout.cli.args import number as _number
 from cachescout.policy import InputError
 
@@ -32,22 +33,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                         "environment, docs/usage.md)")
     b.add_argument("--sessions", type=_number(1, _COUNT, integer=True), default=None,
                    help="sessions per workload (default 300; with --engine serve 30)")
-    _add_option_flags(b)
-    b.add_argument("--trace-block-size", type=_number(1, 65536, integer=True), default=512,
-                   help="block size of JSONL records without 'block_size' (default 512, as Mooncake)")
-    b.add_argument("--strict-trace", action="store_true", help="reject a trace with any malformed record")
-    b.add_argument("--trace-loop", default="auto", choices=("auto", "closed", "open"),
-                   help="closed: each call of a session issued its think time after the previous one finished; "
-                        "open: every call at its recorded time; auto (default): closed where think times are "
-                        "known (conversation files; JSONL sessions whose records all carry think_ms)")
-    b.add_argument("--trace-conversations", type=_number(1, _COUNT, integer=True), default=None, metavar="N",
-                   help="conversation folder: mix N of its conversations, chosen by --seed (default: all, at most 32)")
-    b.add_argument("--trace-window", type=_number(0, _SECONDS), default=1800.0, metavar="S",
-                   help="conversation folder: start the mixed conversations at random times within S seconds "
-                        "(by --seed; default 1800)")
-    b.add_argument("--trace-time-scale", type=_number(0, 1e6, lo_open=True), default=1.0, metavar="X",
-                   help="multiply every timestamp, offset and think time by X (e.g. 10 to spread a cluster's "
-                        "trace to one replica's load; default 1)")
+    add_setting_flags(b, _bench_options(), metavars=_METAVARS)
+    add_setting_flags(b, _trace_options(), prefix="--trace-", metavars=_METAVARS)
     b.add_argument("--json", default="results.json", help="where to write results (default results.json)")
     b.add_argument("--plots", default="results.png", help="where to write the PNG plots (default results.png)")
     b.add_argument("--no-sweeps", action="store_true", help="skip the cache-size and load sweeps (and the plots)")
@@ -63,41 +50,27 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     s.add_argument("--serve-target", type=_number(0, 1, lo_open=True), default=0.6,
                    help="KV cache sized where the fast replay's LRU hits this share on the served calls "
                         "(default 0.6; --gpu-blocks instead sets it)")
-    s.add_argument("--serve-max-output", type=_number(1, 65536, integer=True),
-                   default=32, help="output tokens per call at most (default 32)")
-    s.add_argument("--serve-time-scale", type=_number(0, 1e6, lo_open=True), default=0.05,
-                   help="think times and arrivals multiplied by this (default 0.05)")
-    s.add_argument("--serve-logs", default=None, metavar="DIR", help="keep the servers' logs here")
+    add_setting_flags(s, _serve_options(), prefix="--serve-", metavars=_METAVARS)
 
 
-_METAVARS = {"trace": "PATH", "export_trace": "DIR"}
+_METAVARS = {"trace": "PATH", "export_trace": "DIR", "conversations": "N", "window_s": "S", "time_scale": "X",
+             "log_dir": "DIR"}
 
 
-def _option_fields() -> list:
-    """BenchOptions' fields that are flags: those declared with `setting`."""
-    import dataclasses
-
+# The settings classes whose fields are flags; the benchmark's modules load only when a parser is built.
+def _bench_options() -> type:
     from .run import BenchOptions
-    return [f for f in dataclasses.fields(BenchOptions) if "doc" in f.metadata]
+    return BenchOptions
 
 
-def _add_option_flags(b: argparse.ArgumentParser) -> None:
-    """One flag per `setting` field of BenchOptions: its type and range checked as it is parsed,
-    its meaning as the help, its default the field's."""
-    for f in _option_fields():
-        flag = "--" + f.name.replace("_", "-")
-        kind = f.type if isinstance(f.type, str) else f.type.__name__
-        m = f.metadata
-        doc = m["doc"].replace("%", "%%")
-        if kind == "bool":
-            b.add_argument(flag, action="store_true", help=doc)
-            continue
-        shown = "" if f.default is None or "(default" in doc else (
-            f" (default {f.default:g})" if isinstance(f.default, (int, float)) else f" (default {f.default})")
-        number = kind.removesuffix(" | None")
-        parse = (_number(m["lo"], m["hi"], lo_open=m["lo_open"], integer=number == "int")
-                 if number in ("int", "float") else str)
-        b.add_argument(flag, type=parse, default=f.default, metavar=_METAVARS.get(f.name), help=doc + shown)
+def _trace_options() -> type:
+    from .trace import TraceOptions
+    return TraceOptions
+
+
+def _serve_options() -> type:
+    from .serve import ServeOptions
+    return ServeOptions
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,7 +83,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .replay import CostProfile
     from .run import DEFAULT_POLICIES, BenchOptions, run
     from .trace import TraceOptions
-    from .workloads import FAMILIES, ROUTINGS
+    from .workloads import FAMILIES
 
     families = [f for f in args.workloads.split(",") if f]
     if args.engine == "serve":
@@ -132,20 +105,16 @@ def _bench(args: argparse.Namespace) -> int:
     for name in policies:
         if name not in REGISTRY:
             raise InputError(f"--policies: unknown policy {name!r}; choose from {', '.join(sorted(REGISTRY))}")
-    if args.routing not in ROUTINGS:
-        raise InputError(f"--routing must be one of {', '.join(ROUTINGS)}, got {args.routing!r}")
     CostProfile.named(args.cost_profile)   # an unknown name fails here, listing the known ones
     trace_options = TraceOptions()
     if args.trace:
         if not os.path.exists(args.trace):
             raise InputError(f"--trace {args.trace}: no such file or folder")
-        trace_options = TraceOptions(block_size=args.trace_block_size, strict=args.strict_trace,
-                                     loop=args.trace_loop, conversations=args.trace_conversations,
-                                     window_s=args.trace_window, seed=args.seed, time_scale=args.trace_time_scale)
+        trace_options = _trace_settings(args)
     _check_output_folders(args.json, None if args.no_sweeps or vllm else args.plots)
     if args.trace and args.export_trace:
         raise InputError("--export-trace writes the built-in workloads; it cannot be combined with --trace")
-    opts = BenchOptions(**{f.name: getattr(args, f.name) for f in _option_fields()},
+    opts = BenchOptions(**setting_values(args, BenchOptions),
                         families=families, policies=policies, sessions=args.sessions,
                         trace_options=trace_options, policies_chosen=args.policies is not None,
                         sweeps=not (args.no_sweeps or vllm), engine=args.engine,
@@ -183,11 +152,8 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
         raise InputError(f"--gpu-blocks must be at least 4, got {args.gpu_blocks}")
     _check_output_folders(args.json, None if args.no_sweeps else args.plots)
     if args.trace:
-        from .trace import TraceOptions, load_trace
-        loaded, _ = load_trace(args.trace, TraceOptions(block_size=args.trace_block_size, strict=args.strict_trace,
-                                                        loop=args.trace_loop, conversations=args.trace_conversations,
-                                                        window_s=args.trace_window, seed=args.seed,
-                                                        time_scale=args.trace_time_scale))
+        from .trace import load_trace
+        loaded, _ = load_trace(args.trace, _trace_settings(args))
         workloads = [(os.path.basename(args.trace.rstrip("/")), loaded)]
     else:
         workloads = [(f, generate(WorkloadSpec(family=f, sessions=sessions, rate=args.rate, routing=args.routing,
@@ -205,8 +171,8 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
                              "run it in the real-engine environment (make real-engine; docs/usage.md), or give "
                              "--serve-model") from None
     options = serve.ServeOptions(model=model, gpu_blocks=args.gpu_blocks or 4, configs=configs,
-                                 cpu_ratio=args.cpu_ratio or 1.0, max_output=args.serve_max_output,
-                                 time_scale=args.serve_time_scale, log_dir=args.serve_logs)
+                                 cpu_ratio=args.cpu_ratio or 1.0,
+                                 **setting_values(args, serve.ServeOptions, prefix="--serve-"))
     progress = _progress_line if _shows_progress(args) else None
     report = serve.run_workloads(workloads, options, None if args.gpu_blocks else args.serve_target, progress)
     if progress:
@@ -222,6 +188,12 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
               file=sys.stderr)
         return EXIT_ERROR
     return 0
+
+
+def _trace_settings(args: argparse.Namespace):
+    """The trace's settings from its --trace-* flags (and --seed)."""
+    from .trace import TraceOptions
+    return TraceOptions(seed=args.seed, **setting_values(args, TraceOptions, prefix="--trace-"))
 
 
 def _check_output_folders(json_path: str | None, plots: str | None) -> None:

@@ -20,7 +20,7 @@ from .replay import CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys
 from .table import render
 from .sweep import CACHE_FACTORS, LOAD_FACTORS, SWEEP_POLICIES, cache_sweep, load_sweep, plot
 from .trace import TraceOptions, export_trace, load_trace
-from .workloads import Session, WorkloadSpec, anchor_share, generate
+from .workloads import ARRIVALS, ROUTINGS, Session, WorkloadSpec, anchor_share, generate
 
 DEFAULT_POLICIES = ("lru", "cachescout", "cachescout-hints", "belady")
 NEED_AGENTS = ("cachescout-hints", "kvflow")   # given the true agents (and sessions) of every call
@@ -41,8 +41,9 @@ class BenchOptions:
     policies: Sequence[str] = DEFAULT_POLICIES
     sessions: int = 300
     rate: float = setting(2.0, "session arrivals per second", lo=0, lo_open=True, hi=1e6)
-    routing: str = setting("learned", "learned, uniform or random")
-    arrivals: str = setting("poisson", "poisson or bursty")
+    routing: str = setting("learned", "learned: the supervisor routes by task; uniform: it picks "
+                           "specialists uniformly; random: any agent after any, random end", choices=ROUTINGS)
+    arrivals: str = setting("poisson", "session arrivals", choices=ARRIVALS)
     seed: int = setting(1, "seed of the workloads and of a trace's mix", lo=0, hi=2**32 - 1)
     gpu_blocks: int | None = setting(
         None, "GPU cache size in blocks (default: sized per workload so LRU hits about 68%)", lo=1, hi=_COUNT)
@@ -65,7 +66,7 @@ class BenchOptions:
     trace: str | None = setting(None, "replay this trace instead: a Mooncake-style JSONL file (.jsonl, "
                                 ".jsonl.gz) or kv-cache-tester conversation files (.json, .json.gz: one file, "
                                 "or a folder of them, mixed); the format is detected (docs/workloads.md)")
-    trace_options: TraceOptions = TraceOptions()   # how to read it (block size, loop, mix of conversations)
+    trace_options: TraceOptions = TraceOptions()   # how to read it (its own settings: --trace-* flags)
     export_trace: str | None = setting(None, "write each built-in workload's calls to DIR/<workload>.jsonl")
     engine: str = "fast"                # "vllm": also replay on vLLM's own scheduler (GPU tier only)
     policies_chosen: bool = False       # False: `policies` is the default list, which leaves out

@@ -50,7 +50,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from cachescout.policy import CacheScoutError, ExternalError, InputError
+from cachescout.policy import CacheScoutError, ExternalError, InputError, check_fields, setting
 
 from .replay import SessionFlow
 from .workloads import Session
@@ -63,35 +63,33 @@ _METRIC = re.compile(r"^(vllm:[a-z_]+?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)
 
 @dataclasses.dataclass(frozen=True)
 class ServeOptions:
+    """How `--engine serve` runs each server. The fields declared with `setting` are `cachescout
+    bench`'s --serve-* flags (generated: cli/args.py); `cpu_ratio` is --cpu-ratio's."""
+
     model: str                      # a model folder (bench/tiny_model.py builds one)
     gpu_blocks: int                 # the server's KV cache, in BLOCK_SIZE-token blocks
     configs: tuple[str, ...] = CONFIGS
-    cpu_ratio: float = 1.0          # LMCache's CPU tier as a multiple of the KV cache
-    max_output: int = 32            # output tokens per call at most
-    time_scale: float = 0.05        # think times and arrivals multiplied by this
-    max_num_seqs: int = 16
+    cpu_ratio: float = setting(1.0, "LMCache's CPU tier as a multiple of the KV cache", lo=0, hi=1e4, flag=False)
+    max_output: int = setting(32, "output tokens per call at most", lo=1, hi=65536)
+    time_scale: float = setting(0.05, "think times and arrivals multiplied by this", lo=0, lo_open=True, hi=1e6)
+    max_num_seqs: int = setting(16, "vLLM's --max-num-seqs: requests a server runs at once", lo=1, hi=4096)
     # float32: a random model's top two logits are often closer than bf16's rounding, so batching
     # alone would flip greedy tokens between runs and hide what the output check is for.
-    dtype: str = "float32"
-    start_timeout_s: float = 300.0
-    call_timeout_s: float = 120.0
-    log_dir: str | None = None      # server logs kept here (default: a temporary folder, removed)
+    dtype: str = setting("float32", "the model's dtype on the server (float32: greedy outputs that batching "
+                         "cannot flip)", choices=tuple(_DTYPE_BYTES))
+    start_timeout_s: float = setting(300.0, "seconds a server may take to start", lo=0, lo_open=True, hi=86400)
+    call_timeout_s: float = setting(120.0, "seconds one call may take", lo=0, lo_open=True, hi=86400)
+    log_dir: str | None = setting(None, "keep the servers' logs in this folder (default: a temporary one, removed)",
+                                  flag="--serve-logs")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         unknown = [c for c in self.configs if c not in CONFIGS]
         if unknown or not self.configs:
             raise InputError(f"serve configurations: unknown {', '.join(unknown) or '(none)'}; "
                              f"choose from {', '.join(CONFIGS)}")
         if not (isinstance(self.gpu_blocks, int) and self.gpu_blocks >= 4):
             raise InputError(f"gpu_blocks must be an integer >= 4, got {self.gpu_blocks!r}")
-        for name in ("cpu_ratio", "time_scale"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise InputError(f"{name} must be a finite number >= 0, got {v!r}")
-        if self.dtype not in _DTYPE_BYTES:
-            raise InputError(f"dtype must be one of {', '.join(_DTYPE_BYTES)}, got {self.dtype!r}")
-        if not (isinstance(self.max_output, int) and self.max_output >= 1):
-            raise InputError(f"max_output must be an integer >= 1, got {self.max_output!r}")
         if not Path(self.model, "config.json").is_file():
             raise InputError(f"model {self.model}: not a model folder (no config.json); "
                              "build one with python -m cachescout.bench.tiny_model")

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
-from cachescout.policy import InputError, content_chunks, content_sketch
+from cachescout.policy import InputError, check_fields, content_chunks, content_sketch, setting
 
 from .replay import ReplayResult, chain_hashes
 from .workloads import Session
@@ -179,33 +179,30 @@ class TraceReadReport:
                 f"e.g. {self.errors[0]}")
 
 
+LOOPS = ("auto", "closed", "open")
+
+
 @dataclasses.dataclass(frozen=True)
 class TraceOptions:
-    """How to read and replay a trace (`cachescout bench --trace-*`)."""
+    """How to read and replay a trace. Its settings are `cachescout bench`'s --trace-* flags
+    (generated from these fields: cli/args.py); `seed` is --seed's."""
 
-    block_size: int = DEFAULT_BLOCK_SIZE   # for Mooncake records without 'block_size'
-    strict: bool = False                   # reject the trace at its first malformed record
-    loop: str = "auto"                     # "closed", "open", or "auto": closed where think times are known
-    conversations: int | None = None       # conversation traces: how many to mix (default: all, at most 32)
-    window_s: float = 1800.0               # ... their start times spread uniformly over this window
-    seed: int = 1                          # ... which ones, and when they start
-    time_scale: float = 1.0                # every timestamp, offset and think time multiplied by this
+    block_size: int = setting(DEFAULT_BLOCK_SIZE, "block size of JSONL records without 'block_size' "
+                              "(Mooncake's is 512)", lo=1, hi=_MAX_BLOCK_SIZE)
+    strict: bool = setting(False, "reject a trace with any malformed record", flag="--strict-trace")
+    loop: str = setting("auto", "closed: each call of a session issued its think time after the previous one "
+                        "finished; open: every call at its recorded time; auto: closed where think times are "
+                        "known (conversation files; JSONL sessions whose records all carry think_ms)", choices=LOOPS)
+    conversations: int | None = setting(None, "conversation folder: mix N of its conversations, chosen by --seed "
+                                        "(default: all, at most 32)", lo=1, hi=_MAX_IDS)
+    window_s: float = setting(1800.0, "conversation folder: start the mixed conversations at random times within "
+                              "S seconds (by --seed)", lo=0, hi=_MAX_SECONDS, flag="--trace-window")
+    seed: int = setting(1, "which conversations are mixed, and when they start", lo=0, hi=2**32 - 1, flag=False)
+    time_scale: float = setting(1.0, "multiply every timestamp, offset and think time by X (e.g. 10 to spread a "
+                                "cluster's trace to one replica's load)", lo=0, lo_open=True, hi=1e6)
 
     def __post_init__(self) -> None:
-        if not (_is_int(self.block_size) and 1 <= self.block_size <= _MAX_BLOCK_SIZE):
-            raise InputError(f"trace block_size must be an integer in 1..{_MAX_BLOCK_SIZE}, got {self.block_size!r}")
-        if self.loop not in LOOPS:
-            raise InputError(f"trace loop must be one of {', '.join(LOOPS)}, got {self.loop!r}")
-        if self.conversations is not None and not (_is_int(self.conversations) and self.conversations >= 1):
-            raise InputError(f"trace conversations must be a positive integer, got {self.conversations!r}")
-        for name in ("window_s", "time_scale"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0) or (name == "time_scale" and v == 0):
-                raise InputError(f"trace {name} must be a finite number {'> 0' if name == 'time_scale' else '>= 0'}, "
-                                 f"got {v!r}")
-
-
-LOOPS = ("auto", "closed", "open")
+        check_fields(self)
 
 
 def load_trace(path: str | Path, options: TraceOptions | None = None) -> tuple[list[Session], TraceReadReport]:

@@ -32,6 +32,7 @@ from cachescout.policy import ExternalError, InputError
 
 FAMILIES = ("gsm8k", "mtbench", "gaia", "swebench")
 ROUTINGS = ("learned", "uniform", "random")
+ARRIVALS = ("poisson", "bursty")
 VOCAB = 128_000  # Llama-3 vocabulary size (generated tokens are drawn from it)
 
 # Which real anchor plays which role (keys of data/anchors/manifest.json).
@@ -128,8 +129,8 @@ class WorkloadSpec:
     def __post_init__(self) -> None:
         if self.family not in FAMILIES + ("mixed",):
             raise InputError(f"family must be one of {', '.join(FAMILIES + ('mixed',))}, got {self.family!r}")
-        if self.arrivals not in ("poisson", "bursty"):
-            raise InputError(f"arrivals must be 'poisson' or 'bursty', got {self.arrivals!r}")
+        if self.arrivals not in ARRIVALS:
+            raise InputError(f"arrivals must be one of {', '.join(ARRIVALS)}, got {self.arrivals!r}")
         if self.routing not in ROUTINGS:
             raise InputError(f"routing must be one of {', '.join(ROUTINGS)}, got {self.routing!r}")
         if not (self.sessions > 0 and self.rate > 0 and math.isfinite(self.rate)):

@@ -50,7 +50,8 @@ def compiled_first(package_path: list[str]) -> None:
 NATIVE, NATIVE_STATUS = _compiled_build()
 compiled_first(__path__)  # noqa: F821 (the package's search path)
 
-from .config import PolicyConfig, check_fields, check_mapping, check_value, describe, reject_unknown, setting
+from .config import (PolicyConfig, check_fields, check_mapping, check_value, describe, reject_unknown, setting,
+                     settings_of)
 from .core import SHARED_NAME_PREFIX, CacheScoutPolicy, Hints, Observation, PolicyInternals
 from .errors import CacheScoutError, ConfigError, ExternalError, InputError, StateDecodeError
 from .eviction import EvictionIndex
@@ -65,6 +66,7 @@ __all__ = [
     "EvictionIndex", "ExternalError", "Fingerprint", "Hints", "InputError", "Observation", "PolicyConfig",
     "PolicyInternals", "PrefetchAction", "PrefetchCandidate", "PrefetchPlanner", "SessionTracker", "StateDecodeError",
     "TransitionLearner", "TransitionSnapshot", "block_key", "block_keys", "check_fields", "check_mapping",
-    "check_value", "content_chunks", "content_sketch", "describe", "reject_unknown", "setting", "sketch_window",
+    "check_value", "content_chunks", "content_sketch", "describe", "reject_unknown", "setting", "settings_of",
+    "sketch_window",
     "NATIVE", "NATIVE_STATUS",
 ]

@@ -21,13 +21,16 @@ _DEFAULT_HI = 1e12   # the upper bound of a number without its own
 
 
 def setting(default: Any, doc: str, *, lo: float | None = None, hi: float | None = None,
-            lo_open: bool = False) -> Any:
-    """A settings field: its default, what it means, and for a number the range it must lie in."""
+            lo_open: bool = False, choices: tuple[str, ...] | None = None, flag: str | bool = True) -> Any:
+    """A settings field: its default, what it means, for a number the range it must lie in, for a
+    string the values it may take (`choices`, None: any non-empty string). `flag` is for classes
+    whose settings are command-line flags too (cli/args.py): True, the field's name; a string, that
+    flag instead; False, no flag (set another way)."""
     # Every number has an upper bound too: a finite setting can still overflow the arithmetic it feeds.
     if hi is None and isinstance(default, (int, float)) and not isinstance(default, bool):
         hi = _DEFAULT_HI
-    return dataclasses.field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open})
-
+    return dataclasses.field(default=default, metadata={"doc": doc, "lo": lo, "hi": hi, "lo_open": lo_open,
+                                                        "choices": choices, "flag": flag})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,6 +164,9 @@ def _check(f: dataclasses.Field, value: Any, name: str) -> None:
     if kind in ("str", "str | None"):
         if value is None and kind == "str | None":
             return
+        choices = f.metadata["choices"]
+        if choices is not None and value not in choices:
+            raise ConfigError(f"setting {name!r} must be one of {', '.join(choices)}, got {value!r:.80}")
         if not isinstance(value, str) or not value:
             raise ConfigError(f"setting {name!r} must be a non-empty string, got {value!r:.80}")
         return
@@ -172,28 +178,28 @@ def _check(f: dataclasses.Field, value: Any, name: str) -> None:
     check_value(name, value, kind, m["lo"], m["hi"], m["lo_open"])
 
 
-def _settings(cls: Any) -> dict[str, dataclasses.Field]:
-    """A settings class's fields declared with `setting`, by name."""
+def settings_of(cls: Any) -> dict[str, dataclasses.Field]:
+    """A settings class's (or instance's) fields declared with `setting`, by name."""
     return {f.name: f for f in dataclasses.fields(cls) if "doc" in f.metadata}
 
 
 def check_fields(obj: Any) -> None:
     """Validate every `setting` field of a settings dataclass instance (its `__post_init__`)."""
-    for name, f in _settings(obj).items():
+    for name, f in settings_of(obj).items():
         _check(f, getattr(obj, name), name)
 
 
 def check_mapping(cls: Any, values: Mapping[str, Any], where: str) -> None:
     """Validate the `setting` fields of `cls` that raw input `values` gives, naming each as
     `where.name` (the path a user wrote it at); other keys are left to the caller."""
-    for name, f in _settings(cls).items():
+    for name, f in settings_of(cls).items():
         if name in values:
             _check(f, values[name], f"{where}.{name}")
 
 
 def describe(cls: Any) -> list[tuple[str, str, Any, str]]:
     """(name, type, default, meaning) per `setting` field of a settings class, for docs and help."""
-    return [(name, _type_name(f), f.default, f.metadata["doc"]) for name, f in _settings(cls).items()]
+    return [(name, _type_name(f), f.default, f.metadata["doc"]) for name, f in settings_of(cls).items()]
 
 
 def reject_unknown(values: Mapping[str, Any], known: set[str], what: str) -> None:

@@ -56,7 +56,7 @@ def test_a_fresh_process_on_another_build_is_refused(tmp_path, monkeypatch, caps
 @pytest.mark.parametrize("args,needle", [
     (["--policies", "lru,oracle"], "unknown policy 'oracle'"),
     (["--workloads", "chat"], "unknown workload 'chat'"),
-    (["--routing", "zigzag"], "--routing must be one of"),
+    (["--routing", "zigzag"], "argument --routing: invalid choice"),
     (["--cost-profile", "a100"], "unknown cost profile 'a100'"),
     (["--cpu-blocks", "-1"], "--cpu-blocks"),
     (["--trace", "/nonexistent/t.jsonl"], "no such file or folder"),
@@ -219,26 +219,45 @@ def test_bench_without_the_benchmark_installed_says_so(monkeypatch, capsys):
     assert main(["config", "--cpu-gib", "1"]) == 0
 
 
-def test_every_option_setting_is_a_flag_with_its_default_and_range():
-    """`cachescout bench`'s option flags are generated from BenchOptions: same name, default, range."""
+def _settings_classes(model_dir):
+    from cachescout.bench.run import BenchOptions
+    from cachescout.bench.serve import ServeOptions
+    from cachescout.bench.trace import TraceOptions
+    (model_dir / "config.json").write_text("{}")
+    return [(BenchOptions, "--", {}), (TraceOptions, "--trace-", {}),
+            (ServeOptions, "--serve-", {"model": str(model_dir), "gpu_blocks": 4})]
+
+
+@pytest.mark.parametrize("which", [0, 1, 2], ids=["bench", "trace", "serve"])
+def test_every_setting_is_a_flag_with_its_default_and_range(which, tmp_path):
+    """`cachescout bench`'s flags for BenchOptions, TraceOptions (--trace-*) and ServeOptions
+    (--serve-*) are generated from their fields: same default, range and choices, and what a flag
+    parses builds the settings object field for field."""
     import argparse
-    import dataclasses
 
     from cachescout.bench.command import add_arguments
-    from cachescout.bench.run import BenchOptions
+    from cachescout.cli.args import setting_flags, setting_values
     from cachescout.policy import ConfigError
 
+    cls, prefix, required = _settings_classes(tmp_path)[which]
     parser = argparse.ArgumentParser(exit_on_error=False)
     add_arguments(parser)
     defaults = parser.parse_args([])
-    fields = [f for f in dataclasses.fields(BenchOptions) if "doc" in f.metadata]
-    assert {f.name for f in fields} >= {"rate", "seed", "gpu_blocks", "cpu_ratio", "cost_profile", "trace"}
-    for f in fields:
-        assert getattr(defaults, f.name) == f.default, f.name
-        hi = f.metadata["hi"]
-        if hi is not None and f.type in ("int", "float", "int | None"):
+    flags = setting_flags(cls, prefix)
+    assert len(flags) >= 3
+    for flag, dest, f in flags:
+        assert getattr(defaults, dest) == f.default, flag
+        hi, choices = f.metadata["hi"], f.metadata["choices"]
+        if hi is not None and f.type in ("int", "float", "int | None", "float | None"):
             too_big = str(int(hi) + 1) if "int" in f.type else str(hi * 2)
-            with pytest.raises(argparse.ArgumentError, match="--" + f.name.replace("_", "-")):
-                parser.parse_args(["--" + f.name.replace("_", "-"), too_big])
+            with pytest.raises(argparse.ArgumentError, match=flag):
+                parser.parse_args([flag, too_big])
             with pytest.raises(ConfigError, match=repr(f.name)):
-                BenchOptions(**{f.name: int(hi) + 1 if "int" in f.type else hi * 2})
+                cls(**required, **{f.name: int(hi) + 1 if "int" in f.type else hi * 2})
+        if choices is not None:
+            with pytest.raises(argparse.ArgumentError, match=flag):
+                parser.parse_args([flag, "bogus"])
+            with pytest.raises(ConfigError, match=repr(f.name)):
+                cls(**required, **{f.name: "bogus"})
+            parsed = parser.parse_args([flag, choices[-1]])
+            assert getattr(cls(**required, **setting_values(parsed, cls, prefix)), f.name) == choices[-1]
