@@ -43,6 +43,7 @@ class CacheScoutReplay(ReplayPolicy):
         self.core.blocks_reused(keys)
 
     def admitted(self, req: Request, keys: Sequence[Hashable], num_cached: int, now: float) -> None:
+        self.now = now
         bs = self.core.cfg.block_size
         self.core.admit_blocks(req, keys, num_cached, req.hashes[:(req.prompt_len - 1) // bs])
 

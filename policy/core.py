@@ -18,11 +18,11 @@ from typing import Any, Final
 from .config import PolicyConfig
 from .costs import RebuildCost
 from .errors import ConfigError
-from .eviction import EvictionIndex, Group
+from .eviction import Block, EvictionIndex, Group
 from .fingerprint import AgentFingerprinter, Fingerprint
 from .guard import LruGuard
 from .prefetch import Locate, PrefetchAction, PrefetchCandidate, PrefetchPlanner
-from .scorer import SurvivalScorer
+from .scorer import WANTED_MODEL, SurvivalScorer
 from .sessions import SessionTracker
 from .state import TransitionSnapshot
 from .traffic import Traffic
@@ -41,6 +41,11 @@ _PREFETCH_JUDGED: Final = 32.0     # decayed blocks judged before the bar applie
 _PREFETCH_MIN_PRECISION: Final = 0.5
 _PREFETCH_PROBE: Final = 64
 _PREFETCH_PENDING_MAX: Final = 1 << 16
+_WANTED_STEP: Final = 1e-9    # `model` between the groups of two requests queued one after the other
+
+
+def _free_order(b: Block) -> int:
+    return b.seq
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -127,6 +132,12 @@ class CacheScoutPolicy:
         self._prefetch_judged = 0.0
         self._prefetch_rounds = 0
         self._live: dict[Hashable, _Live] = {}
+        # Cached blocks queued requests (observed, not yet admitted) will hit: key -> [the group it
+        # came from, then the groups of the requests that want it, earliest first]; request -> (its
+        # number, its group, the keys it wants); requests queued so far.
+        self._wanted: dict[Hashable, list[Group]] = {}
+        self._wanting: dict[Hashable, tuple[int, Group, list[Hashable]]] = {}
+        self._queued = 0
         self._aliases: dict[str, str] = {}        # inferred agent id -> hinted name for it
         self._next_hint: dict[Hashable, str] = {}  # session -> agent it will call next (hinted)
         self._pending: deque = deque()
@@ -215,6 +226,7 @@ class CacheScoutPolicy:
             self._next_hint.pop(s.sid, None)
         obs = Observation(request_id, agent, s.sid, a.previous_agent, a.new, a.evidence, predicted, fp)
         self._live[request_id] = _Live(obs, now, None)
+        self._want(request_id, block_hashes)
         self.stats["requests"] += 1
         if self.stats["requests"] % 512 == 0:
             self._index.prune_groups()
@@ -229,6 +241,8 @@ class CacheScoutPolicy:
         `output_tokens` (or their precomputed `output_chunks`) help recognise the session of the
         call that uses them next."""
         live = self._live.pop(request_id, None)
+        if request_id in self._wanting:   # it ended (was aborted) before it was admitted
+            self._guard.unwanted(*self._unwant(request_id, admitted=False), refresh=False)
         if live is not None:
             now = self.clock() if now is None else now
             self._traffic.call_took(live.obs.agent, now - live.started_at)
@@ -280,6 +294,89 @@ class CacheScoutPolicy:
         if reused:
             self._traffic.expired_contexts_hit(reused)
 
+    # -- queued requests -----------------------------------------------------------------------
+    def _want(self, request_id: Hashable, block_keys: Sequence[Hashable]) -> None:
+        """A request is queued: the cached prefix of its prompt will be hit when it is admitted,
+        which is not a prediction, and the cached blocks past a missing one (recomputed, since a hit
+        stops there) are what the session's next call will hit once this one fills the gap. On a
+        loaded server LRU evicts such blocks while the request waits (2-4% of all prompt blocks of
+        long conversations). They move to a group of the request's own, evicted after every other
+        free block whatever the model says or the guard trusts: the latest queued request's first
+        (the queue admits the earliest first), each request's in free order. A block two queued
+        requests want stays with the earlier one."""
+        index = self._index
+        got: list[Hashable] = []
+        blocks: list[Block] = []
+        for key in block_keys:
+            b = index.block(key)
+            if b is not None:
+                got.append(key)
+                blocks.append(b)
+        if not got:
+            return
+        self._queued += 1
+        group = index.group(("wanted", self._queued), "wanted")
+        # Later requests' groups go first: a larger `model`, all of them below any prediction's.
+        group.model, group.conf = WANTED_MODEL + self._queued * _WANTED_STEP, 1.0
+        wanted = self._wanted
+        # In free order (a prompt's blocks were freed tail first): each lands at its group's tail.
+        for b in sorted(blocks, key=_free_order):
+            w = wanted.get(b.key)
+            if w is None:
+                wanted[b.key] = [b.group, group]
+                index.assign(b, group)
+            else:
+                w.append(group)
+        self._wanting[request_id] = (self._queued, group, got)
+        self._guard.wanted(got, self._queued)
+
+    def _unwant(self, request_id: Hashable, admitted: bool) -> tuple[list[Hashable], int]:
+        """The queued request was admitted (or ended): its blocks go to the next queued request
+        that wants them, else back to their groups. Admitted, those of its blocks it did not hit
+        (cached past a missing block) are its session's latest prompt all the same, used again by
+        the session's next call: they count as freed now (vLLM's LRU would leave them where they
+        were, the oldest). Returns the keys it wanted and its number (for the guard)."""
+        number, group, keys = self._wanting.pop(request_id)
+        index = self._index
+        wanted = self._wanted
+        back: list[tuple[Block, Group]] = []
+        for key in keys:
+            w = wanted.get(key)
+            if w is None:
+                continue
+            w.remove(group)
+            b = index.block(key)
+            if len(w) > 1:
+                if b is not None and b.group is group:
+                    index.assign(b, w[1])
+                continue
+            del wanted[key]
+            if b is not None and b.group is group:
+                back.append((b, w[0]))
+        back.sort(key=lambda t: t[0].seq)
+        for b, home in back:
+            index.assign(b, index.registered(home))
+        if admitted:
+            fresh = [b.key for b, _ in back if b.free]
+            if fresh:
+                index.acquire(fresh)
+                index.release(fresh, self.clock())
+        return keys, number
+
+    def _keep_wanted(self, block_keys: Sequence[Hashable]) -> None:
+        """Blocks just filed under an admitted request's groups that another queued request still
+        wants: back to that request's group; the admitted request's group is where they go after."""
+        index = self._index
+        wanted = self._wanted
+        for key in block_keys:
+            w = wanted.get(key)
+            if w is None:
+                continue
+            b = index.block(key)
+            if b is not None and b.group is not w[1]:
+                w[0] = b.group
+                index.assign(b, w[1])
+
     # -- KV blocks of the GPU tier ------------------------------------------------------------
     def admit_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable], num_cached: int,
                      hittable: Sequence[Hashable] | None = None) -> None:
@@ -287,6 +384,7 @@ class CacheScoutPolicy:
         `hittable`: the prompt's blocks a hit may cover (its full blocks, less the last one when the
         prompt ends on a block boundary: vLLM always computes the last token), for the LRU guard's
         comparison; default `block_keys`."""
+        wanted = self._unwant(request_id, admitted=True) if request_id in self._wanting else None
         live = self._live.get(request_id)
         index = self._index
         self._prompt_blocks += len(block_keys)
@@ -294,6 +392,9 @@ class CacheScoutPolicy:
         if self._admitted == _RESAMPLE_AFTER:
             self._guard.resample(self._prompt_blocks / self._admitted)
         self._guard.accessed(block_keys, num_cached, None if hittable is None else len(hittable))
+        if wanted:
+            # After the access: the real cache made room for this request while its blocks were kept.
+            self._guard.unwanted(*wanted, refresh=True)
         if num_cached:
             self._note_dead_hits(block_keys, num_cached)
         if live is None:
@@ -320,6 +421,8 @@ class CacheScoutPolicy:
                         index.add(key, group)
             for key in block_keys[max(lo, num_cached):hi]:
                 index.add(key, group)
+        if self._wanted:
+            self._keep_wanted(block_keys)
         index.acquire(block_keys[:num_cached])
         if live.obs.agent is not None:
             contexts = self._context_keys.setdefault(live.obs.session, {})

@@ -193,6 +193,14 @@ class EvictionIndex:
             g.parent = parent
         return g
 
+    def registered(self, g: Group) -> Group:
+        """The group registered under `g`'s id now: `g` itself, registered again if it was pruned
+        while it held no block (a caller kept it meanwhile), or the group that replaced it."""
+        got = self._groups.get(g.gid)
+        if got is None:
+            got = self._groups[g.gid] = g
+        return got
+
     def groups(self) -> Iterable[Group]:
         return self._groups.values()
 

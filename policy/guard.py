@@ -34,9 +34,9 @@ sessions that could not be inferred, a workflow that changed.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from typing import Final
 
 SAMPLE: Final = 8          # by default one block in 8 is simulated
@@ -55,11 +55,71 @@ _MAX_BACKOFF: Final = 64          # most windows spent on plain LRU before the m
 _BLOCKS_PER_SAMPLED_REQUEST: Final = 12   # `resample`: sampled blocks wanted per request at least
 
 
+_RELEASE_BITS: Final = 40
+_RELEASE_MASK: Final = (1 << _RELEASE_BITS) - 1
+
+
+def _wanted_number(request: int, released: int) -> int:
+    """Order of a free block queued request `request` wants: later requests first, then release order."""
+    return released - (request << _RELEASE_BITS)
+
+
+class _FreeOrder:
+    """Sampled free blocks in release order, LRU first: a dict of each one's release number and a
+    heap of (number, key) whose stale entries are skipped, so a block can leave from anywhere and
+    come back to its own place (a queued request's blocks do, see `wanted`)."""
+
+    __slots__ = ("order", "heap")
+
+    def __init__(self) -> None:
+        self.order: dict[Hashable, int] = {}
+        self.heap: list[tuple[int, Hashable]] = []
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.order
+
+    def __iter__(self) -> Iterator[Hashable]:
+        return iter(sorted(self.order, key=self.order.__getitem__))
+
+    def add(self, key: Hashable, number: int) -> None:
+        self.order[key] = number
+        heap = self.heap
+        heapq.heappush(heap, (number, key))
+        if len(heap) > 2 * len(self.order) + 64:   # mostly stale: rebuild
+            self.heap = heap = [(n, k) for k, n in self.order.items()]
+            heapq.heapify(heap)
+
+    def take(self, key: Hashable) -> int | None:
+        """Remove `key`; its number, or None if it was not here."""
+        return self.order.pop(key, None)
+
+    def pop_oldest(self) -> Hashable:
+        order, heap = self.order, self.heap
+        while True:
+            number, key = heapq.heappop(heap)
+            if order.get(key) == number:
+                del order[key]
+                return key
+
+    def clear(self) -> None:
+        self.order.clear()
+        self.heap.clear()
+
+
 class LruGuard:
     def __init__(self, sample: int = SAMPLE) -> None:
         self.sample = sample          # one block in `sample` (by key hash) is simulated
         self._held: set[Hashable] = set()                  # sampled blocks in use: never evicted
-        self._free: OrderedDict[Hashable, None] = OrderedDict()  # sampled free blocks, LRU first
+        self._free = _FreeOrder()         # sampled free blocks, LRU first
+        # Sampled blocks a queued request will hit (how many want each), and those of them that are
+        # free, LRU first: evicted after every other free block, as the real cache does (core.py
+        # `_want`), so the guard judges the model alone.
+        self._wanted: dict[Hashable, list[int]] = {}   # sampled key -> queued requests that want it
+        self._wanted_free = _FreeOrder()
+        self._released = 0                # blocks released so far: their release numbers
         self._resident: set[Hashable] = set()   # sampled blocks the real cache holds: the shadow's size
         self.trust = 1.0
         self._ours = 0                # hits of the real cache on sampled accesses, this window
@@ -87,6 +147,8 @@ class LruGuard:
             self.sample = rate
             self._held.clear()
             self._free.clear()
+            self._wanted.clear()
+            self._wanted_free.clear()
             self._resident.clear()
             self._ours = self._lru = self._seen = self._requests = 0
 
@@ -105,7 +167,7 @@ class LruGuard:
             key = keys[i]
             if hash(key) % sample:
                 continue
-            was_free = free.pop(key, 0) is None
+            was_free = free.take(key) is not None or self._wanted_free.take(key) is not None
             resident.add(key)
             if i < compared:
                 prefix_lru = prefix_lru and (was_free or key in held)
@@ -124,7 +186,8 @@ class LruGuard:
         """Blocks a request computed while decoding (cached from now on)."""
         sample = self.sample
         for key in [k for k in keys if not hash(k) % sample]:
-            self._free.pop(key, None)
+            self._free.take(key)
+            self._wanted_free.take(key)
             self._held.add(key)
             self._resident.add(key)
         self._trim()
@@ -144,18 +207,71 @@ class LruGuard:
 
     def released(self, keys: Sequence[Hashable]) -> None:
         """Blocks that became free, in free order: LRU's recency is the release."""
-        held, free = self._held, self._free
+        held, free, wanted = self._held, self._free, self._wanted
         sample = self.sample
         for key in [k for k in keys if not hash(k) % sample]:
             if key in held:
                 held.discard(key)
-                free[key] = None
+                self._released += 1
+                wanters = wanted.get(key)
+                if wanters is None:
+                    free.add(key, self._released)
+                else:
+                    self._wanted_free.add(key, _wanted_number(wanters[0], self._released))
+
+    def wanted(self, keys: Sequence[Hashable], request: int) -> None:
+        """Queued request number `request` (numbers grow with arrival) will hit these cached
+        blocks: keep them after every other free block, the latest request's first, as the real
+        cache does (core.py `_want`)."""
+        sample = self.sample
+        for key in keys:
+            if hash(key) % sample:
+                continue
+            wanters = self._wanted.get(key)
+            if wanters is not None:
+                wanters.append(request)
+                continue
+            self._wanted[key] = [request]
+            number = self._free.take(key)
+            if number is not None:
+                self._wanted_free.add(key, _wanted_number(request, number))
+
+    def unwanted(self, keys: Sequence[Hashable], request: int, refresh: bool) -> None:
+        """Queued request `request` was admitted (`refresh`: those of its blocks it did not hit
+        count as freed now, as in the real cache) or ended."""
+        sample = self.sample
+        wanted, wanted_free = self._wanted, self._wanted_free
+        back: list[tuple[int, Hashable]] = []
+        for key in keys:
+            if hash(key) % sample:
+                continue
+            wanters = wanted.get(key)
+            if wanters is None or request not in wanters:
+                continue
+            first = wanters[0] == request
+            wanters.remove(request)
+            number = wanted_free.take(key) if first or not wanters else None
+            if wanters:
+                if number is not None:
+                    wanted_free.add(key, _wanted_number(wanters[0], number & _RELEASE_MASK))
+                continue
+            del wanted[key]
+            if number is not None:
+                back.append((number & _RELEASE_MASK, key))
+        back.sort()
+        for released, key in back:
+            if refresh:
+                self._released += 1
+                released = self._released
+            self._free.add(key, released)
 
     def _trim(self) -> None:
         cap = len(self._resident)
-        free = self._free
-        while free and len(free) + len(self._held) > cap:
-            free.popitem(last=False)
+        free, wanted_free = self._free, self._wanted_free
+        while free and len(free) + len(wanted_free) + len(self._held) > cap:
+            free.pop_oldest()
+        while wanted_free and len(wanted_free) + len(self._held) > cap:
+            wanted_free.pop_oldest()
 
     def _close_window(self) -> None:
         delta = (self._ours - self._lru) / self._seen

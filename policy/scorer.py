@@ -30,6 +30,10 @@ from .traffic import Traffic
 from .transitions import END, START, HorizonRow, LearnerRef
 
 _RATE_FLOOR: Final = 1e-4     # uses per second of a group nobody is predicted to use: far, not infinitely
+# The `model` of blocks queued requests will hit (core.py `_want`; later requests a little higher):
+# below any prediction's (a use every microsecond would be -log(1e6) = -13.8), so they go after
+# every other free block.
+WANTED_MODEL: Final = -1e3
 _LINKED_SHARE: Final = 0.2    # multi-call sessions spanning agents, at and above which contexts are trusted
 _UNLINKED_SHARE: Final = 0.1  # ... and at and below which they are not
 # Idle for this many think times, a session is under 0.1% likely to call again (see next_call_in).
@@ -307,7 +311,10 @@ class SurvivalScorer:
                         if r < 1.0 and head is not None:
                             idle = max(now - head.freed_at, 0.0) + 1e-3
                             rate = math.exp(r * math.log(rate) + (1.0 - r) * (math.log(p) - math.log(idle)))
-                    conf = row.conf * link
+                    # How far sessions are linked across agents bears only on contexts under
+                    # another agent than the session's own (its own agent's next call extends
+                    # the prompt it already sent: a continuation, always linked).
+                    conf = row.conf * (1.0 if agent == ses.agent else link)
                     if sv.next_agent == agent:             # the framework said so
                         rate = max(rate, alive / t_next)
                         conf = 1.0
@@ -320,8 +327,7 @@ class SurvivalScorer:
                 g.model = math.inf
                 g.conf = conf_all * trust
                 continue
-            elif kind == "stale":   # left out of their session's latest prompt: no use is expected
-                g.model, g.conf = floor, conf_all * trust
+            elif kind == "wanted":   # a queued request will hit them: a fact, set when it was queued
                 continue
             else:
                 g.model, g.conf = 0.0, 0.0

@@ -452,3 +452,50 @@ def test_the_shared_state_keys_take_the_served_model_name(served, expected):
     from cachescout.connector.vllm_connector import _model_name
     cfg = SimpleNamespace(model_config=SimpleNamespace(served_model_name=served, model="org/path"))
     assert _model_name(cfg) == expected
+
+
+def _queued_request_hit(connector):
+    """Inside vLLM's scheduler (one running request at a time): A and then D run and free their
+    blocks; C runs and decodes while B, A's prompt continued, waits behind it. C's decode needs
+    cached blocks evicted. Returns the tokens B hits when it is finally admitted."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    sched = build_scheduler(15, max_num_seqs=1, connector=connector)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+
+    def request(rid, tokens, max_tokens=1):
+        return Request(rid, tokens, SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                       block_hasher=hasher)
+
+    def step():
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        hit = {rid: sched.requests[rid].prefill_stats for rid in ids if sched.requests[rid].prefill_stats}
+        sampled = [[] if sched.requests[r].is_prefill_chunk else [5] for r in ids]
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                        sampled_token_ids=sampled))
+        return hit
+
+    a = list(range(100, 164))
+    for rid, tokens in (("A", a + [1]), ("D", list(range(1000, 1064)) + [1])):
+        sched.add_request(request(rid, tokens))
+        while sched.requests:
+            step()
+    sched.add_request(request("C", list(range(2000, 2065)), max_tokens=80))   # 5 blocks, 9 when done
+    sched.add_request(request("B", a + list(range(3000, 3017))))
+    hits = {}
+    while sched.requests:
+        hits.update({rid: s.num_local_cached_tokens for rid, s in step().items()})
+    return hits["B"]
+
+
+def test_a_queued_requests_cached_prefix_outlives_the_running_requests_decode():
+    """vLLM's LRU evicts the oldest free blocks, A's, while B (which will hit them) waits; with
+    CacheScout the blocks of a queued request go last, and D's are evicted instead."""
+    assert _queued_request_hit(None) < 64
+    assert _queued_request_hit({}) == 64

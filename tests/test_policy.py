@@ -229,3 +229,60 @@ def test_the_chain_learns_where_workflows_end_long_before_sessions_expire():
     summarizer = policy.observe(("x", 0), chain(summ + [("t", "x")]), now=now).agent
     assert policy.inspect().learner.probability(summarizer, END) > 0.5
     assert len(policy.inspect().sessions) > 10    # they have not expired
+
+
+def test_a_queued_requests_cached_prefix_is_evicted_last_until_it_is_admitted():
+    """Blocks a queued request will hit are not a prediction: they go after every other free block
+    even when the policy trusts nothing (LRU otherwise), and in LRU order again once it is admitted."""
+    policy = CacheScoutPolicy(PolicyConfig(min_confidence=1.0))   # never confident: LRU
+    a, b = chain([("a", i) for i in range(4)]), chain([("b", i) for i in range(4)])
+    for t, (rid, keys) in enumerate((("A", a), ("B", b))):
+        policy.observe(rid, keys, now=t)
+        policy.admit_blocks(rid, keys, 0)
+        policy.finish(rid, now=t + 0.5)
+        policy.blocks_freed(list(reversed(keys)), now=t + 0.5)
+    assert policy.victims(8, now=3.0) == list(reversed(a)) + list(reversed(b))   # LRU: A's first
+    c = a + chain([("c", 0)])[-1:]
+    policy.observe("C", c, now=3.0)                                              # queued: wants A's
+    assert policy.victims(8, now=3.0) == list(reversed(b)) + list(reversed(a))
+    assert policy.evict(4, now=3.0) == list(reversed(b))
+    policy.blocks_reused(a[:2])
+    policy.admit_blocks("C", a[:2] + [c[4]], 2)        # hit two; the other two are not wanted now
+    assert policy.victims(8, now=3.0) == [a[3], a[2]]
+    policy.finish("C", now=4.0)
+    policy.blocks_freed([c[4], a[1], a[0]], now=4.0)
+    assert policy.victims(8, now=4.0) == [a[3], a[2], c[4], a[1], a[0]]
+
+
+def test_a_request_that_ends_while_queued_releases_what_it_wanted():
+    policy = CacheScoutPolicy(PolicyConfig(min_confidence=1.0))
+    a, b = chain([("a", i) for i in range(3)]), chain([("b", i) for i in range(3)])
+    for t, (rid, keys) in enumerate((("A", a), ("B", b))):
+        policy.observe(rid, keys, now=t)
+        policy.admit_blocks(rid, keys, 0)
+        policy.finish(rid, now=t + 0.5)
+        policy.blocks_freed(list(reversed(keys)), now=t + 0.5)
+    policy.observe("Q1", a, now=3.0)
+    policy.observe("Q2", a[:2], now=3.0)              # two queued requests want A's first blocks
+    policy.finish("Q1", now=3.5)                     # aborted before it was admitted
+    assert policy.victims(6, now=4.0) == [a[2]] + list(reversed(b)) + [a[1], a[0]]
+    policy.finish("Q2", now=3.6)
+    assert policy.victims(6, now=4.0) == list(reversed(a)) + list(reversed(b))
+
+
+def test_blocks_another_request_hits_stay_kept_for_the_queued_one():
+    policy = CacheScoutPolicy(PolicyConfig(min_confidence=1.0))
+    a, b = chain([("a", i) for i in range(3)]), chain([("b", i) for i in range(3)])
+    for t, (rid, keys) in enumerate((("A", a), ("B", b))):
+        policy.observe(rid, keys, now=t)
+        policy.admit_blocks(rid, keys, 0)
+        policy.finish(rid, now=t + 0.5)
+        policy.blocks_freed(list(reversed(keys)), now=t + 0.5)
+    policy.observe("Q", a, now=3.0)                 # queued
+    r = a[:2] + chain([("r", 0)])[-1:]
+    policy.observe("R", r, now=3.1)                 # admitted at once, hitting two of Q's blocks
+    policy.blocks_reused(a[:2])
+    policy.admit_blocks("R", r, 2)
+    policy.finish("R", now=3.5)
+    policy.blocks_freed(list(reversed(r)), now=3.5)
+    assert policy.victims(7, now=4.0) == list(reversed(b)) + [r[2], a[2], a[1], a[0]]
