@@ -224,7 +224,9 @@ rate by up to a point, so each cell is the mean of {jitters} timings (prefill co
 steps), every policy on the same ones; `LRU spread` is LRU's standard deviation over them and `±` the
 standard error of the paired difference. `bound` is Belady over each run's own calls, the most of
 the cell's runs. Where a mix's largest call needs a cache at which LRU already hits more than a
-target, that cell is the same for several targets and is shown once. {tiers}
+target, that cell is the same for several targets and is shown once.
+"""
+REAL_RUN_TEXT = """{tiers}
 
 ```
 {command}
@@ -268,8 +270,9 @@ def trace_runs(root: str) -> str:
     return "\n".join(parts)
 
 
-def real_traffic_section(report: dict) -> str:
-    """The real-traffic matrix (bench/real_traffic.py's JSON) as a section of results.md."""
+def real_traffic_section(report: dict, intro: bool = True) -> str:
+    """The real-traffic matrix (bench/real_traffic.py's JSON) as a section of results.md; `intro`:
+    with the text that says what the matrix is (the first of several matrices)."""
     from .real_traffic import format_cells
 
     args = report["args"]
@@ -280,7 +283,10 @@ def real_traffic_section(report: dict) -> str:
     command = f"python -m cachescout.bench.real_traffic --trace ../shared/traces/claude-code {flags}"
     tiers = (f"With LMCache's CPU tier at {args['cpu_ratio']:g}x the GPU cache: `hit` counts every tier."
              if args.get("cpu_ratio") else "GPU tier only.")
-    lines = [REAL_TEXT.format(jitters=args["jitters"], tiers=tiers, command=command),
+    text = REAL_RUN_TEXT.format(tiers=tiers, command=command)
+    if intro:
+        text = REAL_TEXT.format(jitters=args["jitters"]) + "\n" + text
+    lines = [text,
              "```", format_cells(report["cells"], policies).rstrip(), "```", ""]
     for name, s in report["summary"].items():
         if not s:
@@ -390,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.real_traffic or ():
         try:
             with open(path, encoding="utf-8") as fh:
-                real.append(real_traffic_section(json.load(fh)))
+                real.append(real_traffic_section(json.load(fh), intro=not real))
         except (OSError, ValueError, KeyError) as e:
             ap.error(f"--real-traffic {path}: not a real_traffic JSON report ({e})")
     engine = None

@@ -31,6 +31,11 @@ def test_a_small_matrix_reports_every_policy_against_lru_and_the_bound(tmp_path,
     diffs = [c["policies"]["cachescout"]["token_hit_rate"] - c["policies"]["lru"]["token_hit_rate"] for c in cells]
     assert summary["hit_difference_min"] == pytest.approx(min(diffs))
     assert "closed" in capsys.readouterr().out
+    # As a section of results.md: what the matrix is said once, before the first of its tables.
+    from cachescout.bench.report import real_traffic_section
+    first, second = real_traffic_section(report), real_traffic_section(report, intro=False)
+    assert first.count("Recorded agentic coding traffic") == 1 and "Recorded agentic" not in second
+    assert "--closed 4 --open 3" in second and "GPU tier only." in second
 
 
 @pytest.mark.parametrize("flags, field", [
