@@ -140,6 +140,9 @@ def outro(everything: dict) -> str:
     sched = [r["scheduler_us_per_step"] / 1e3 for r in _results(vllm, "connector_us_per_step")
              if r["connector_us_per_step"]]
     model = [r["model_step_ms"] for r in _results(vllm, "connector_us_per_step") if r["connector_us_per_step"]]
+    # The connector's share of the scheduler thread's time: moves less with the machine's speed.
+    share = [r["connector_us_per_step"] / r["scheduler_us_per_step"] for r in _results(vllm, "connector_us_per_step")
+             if r["connector_us_per_step"]]
     # What prefetch adds with tiers: CacheScout against itself without prefetch, per workload.
     gains = [by["cachescout"] - by["cachescout-noprefetch"]
              for by in ({r["policy"]: r["token_hit_rate"] for r in w["results"]}
@@ -166,14 +169,17 @@ def outro(everything: dict) -> str:
   connector, so a few evictions happen before the policy has seen it). The connector's own cost is
   {_span([100 * o for o in overhead], '.1f')}% of a step on this 2-core machine (target: under 2%; CPU
   time of the scheduler's thread, steadier than wall time, though a slower machine still raises it,
-  vLLM's own scheduler time alike): the per-request bookkeeping (agent and session inference,
+  vLLM's own scheduler time alike; the connector is {_span([100 * x for x in share], '.0f')}% of the
+  scheduler thread's time per step): the per-request bookkeeping (agent and session inference,
   the mirror of vLLM's blocks, releases) and the rescoring run on the scheduler's thread. That is the
   cost with lock-step scheduling; vLLM 0.33 schedules asynchronously by default (the next step is
   scheduled while the GPU runs the current one), where the connector adds nothing as long as
   scheduler and connector together stay under the GPU step (here {_span(sched, '.1f')} ms against
   {_span(model, '.0f')} ms).
 - `cachescout-hashonly`: without token ids one workflow's calls to different agents cannot be
-  linked (see [policy.md](policy.md#known-limits)); CacheScout detects it and keeps to LRU order.
+  linked (see [policy.md](policy.md#known-limits)); CacheScout detects it and keeps to LRU age for
+  the contexts it would need those links for, while it still predicts anchors and each session's
+  own continuation (its context under the agent it is talking to).
 """
 
 
