@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sections-only", action="store_true",
                     help="put only the --real-traffic and --real-engine sections into --out, keeping the rest")
     args = ap.parse_args(argv)
-    real = []
+    real: list[str] = []
     for path in args.real_traffic or ():
         try:
             with open(path, encoding="utf-8") as fh:
