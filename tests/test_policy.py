@@ -231,16 +231,23 @@ def test_the_chain_learns_where_workflows_end_long_before_sessions_expire():
     assert len(policy.inspect().sessions) > 10    # they have not expired
 
 
-def test_a_queued_requests_cached_prefix_is_evicted_last_until_it_is_admitted():
-    """Blocks a queued request will hit are not a prediction: they go after every other free block
-    even when the policy trusts nothing (LRU otherwise), and in LRU order again once it is admitted."""
-    policy = CacheScoutPolicy(PolicyConfig(min_confidence=1.0))   # never confident: LRU
-    a, b = chain([("a", i) for i in range(4)]), chain([("b", i) for i in range(4)])
+def _two_served_and_freed(n):
+    """A never-confident policy (LRU order) after requests A and then B of `n` blocks each ran and
+    freed their blocks: A's are the oldest."""
+    policy = CacheScoutPolicy(PolicyConfig(min_confidence=1.0))
+    a, b = chain([("a", i) for i in range(n)]), chain([("b", i) for i in range(n)])
     for t, (rid, keys) in enumerate((("A", a), ("B", b))):
         policy.observe(rid, keys, now=t)
         policy.admit_blocks(rid, keys, 0)
         policy.finish(rid, now=t + 0.5)
         policy.blocks_freed(list(reversed(keys)), now=t + 0.5)
+    return policy, a, b
+
+
+def test_a_queued_requests_cached_prefix_is_evicted_last_until_it_is_admitted():
+    """Blocks a queued request will hit are not a prediction: they go after every other free block
+    even when the policy trusts nothing (LRU otherwise), and in LRU order again once it is admitted."""
+    policy, a, b = _two_served_and_freed(4)
     assert policy.victims(8, now=3.0) == list(reversed(a)) + list(reversed(b))   # LRU: A's first
     c = a + chain([("c", 0)])[-1:]
     policy.observe("C", c, now=3.0)                                              # queued: wants A's
@@ -255,13 +262,7 @@ def test_a_queued_requests_cached_prefix_is_evicted_last_until_it_is_admitted():
 
 
 def test_a_request_that_ends_while_queued_releases_what_it_wanted():
-    policy = CacheScoutPolicy(PolicyConfig(min_confidence=1.0))
-    a, b = chain([("a", i) for i in range(3)]), chain([("b", i) for i in range(3)])
-    for t, (rid, keys) in enumerate((("A", a), ("B", b))):
-        policy.observe(rid, keys, now=t)
-        policy.admit_blocks(rid, keys, 0)
-        policy.finish(rid, now=t + 0.5)
-        policy.blocks_freed(list(reversed(keys)), now=t + 0.5)
+    policy, a, b = _two_served_and_freed(3)
     policy.observe("Q1", a, now=3.0)
     policy.observe("Q2", a[:2], now=3.0)              # two queued requests want A's first blocks
     policy.finish("Q1", now=3.5)                     # aborted before it was admitted
@@ -271,13 +272,7 @@ def test_a_request_that_ends_while_queued_releases_what_it_wanted():
 
 
 def test_blocks_another_request_hits_stay_kept_for_the_queued_one():
-    policy = CacheScoutPolicy(PolicyConfig(min_confidence=1.0))
-    a, b = chain([("a", i) for i in range(3)]), chain([("b", i) for i in range(3)])
-    for t, (rid, keys) in enumerate((("A", a), ("B", b))):
-        policy.observe(rid, keys, now=t)
-        policy.admit_blocks(rid, keys, 0)
-        policy.finish(rid, now=t + 0.5)
-        policy.blocks_freed(list(reversed(keys)), now=t + 0.5)
+    policy, a, b = _two_served_and_freed(3)
     policy.observe("Q", a, now=3.0)                 # queued
     r = a[:2] + chain([("r", 0)])[-1:]
     policy.observe("R", r, now=3.1)                 # admitted at once, hitting two of Q's blocks
