@@ -39,6 +39,7 @@ from collections.abc import Iterator, Sequence
 import msgpack
 
 from cachescout.connector.shared_state import SharedLearnedState, SharedStateSettings
+from cachescout.connector.state_store import StateKeys
 from cachescout.policy import CacheScoutPolicy, ExternalError, PolicyConfig
 from cachescout.policy.transitions import END, START
 
@@ -84,6 +85,16 @@ def _replica(url: str, deployment: str, name: str, half_life: float = 200.0) -> 
 
 
 # -- 3. hostile entries ------------------------------------------------------------------------------
+def plant(r, keys: StateKeys, name: str, blob: bytes | None = None, **fields: object) -> None:
+    """Write a replica's entry by hand, as another process (or an attacker with write access to
+    the keys) could: the bookkeeping `fields` in its hash, `blob` under its own key. `r` is a
+    redis-py client or pipeline."""
+    if fields:
+        r.hset(keys.rep(name), mapping=fields)
+    if blob is not None:
+        r.set(keys.blob(name), blob)
+
+
 def hostile_blobs(size: int) -> dict[str, bytes]:
     """Blobs of about `size` bytes built to expand as much as possible when unpacked, each sealed
     with a valid checksum (whoever can write the keys can compute one)."""
@@ -157,7 +168,7 @@ def _hostile_run(r, url: str, deployment: str, shape: str, blob: bytes, entries:
             p = r.pipeline(transaction=False)
             now = int(time.time() * 1000)
             for i in range(entries):
-                p.hset(keys.rep(f"evil-{i}"), mapping={"gen": 1, "seq": rounds + 1, "at": now, "blob": blob})
+                plant(p, keys, f"evil-{i}", blob, gen=1, seq=rounds + 1, at=now)
                 p.zadd(keys.replicas, {f"evil-{i}": now})
             p.execute()
         t0 = time.perf_counter()

@@ -4,11 +4,13 @@ All keys of one deployment and model share one hash tag, so they live in one Red
 every multi-key step runs as one Lua script, atomically, on a single Redis, behind Sentinel or on a
 Cluster alike:
 
-    cs:{<deployment>|<model>}:v2:meta            hash: schema, half_life, hash_domain, epoch
-    cs:{...}:v2:replicas                          zset: replica -> server time (ms) of its last flush
-    cs:{...}:v2:rep:<replica>                     hash: gen, seq, at, blob (msgpack TransitionSnapshot)
-    cs:{...}:v2:gen:<replica>                     int: generation of the replica's current life
-    cs:{...}:v2:departed / departed_at            hash + zset: blobs folded in from replicas gone away
+    cs:{<deployment>|<model>}:v3:meta            hash: schema, half_life, hash_domain, epoch
+    cs:{...}:v3:replicas                          zset: replica -> server time (ms) of its last flush
+    cs:{...}:v3:rep:<replica>                     hash: gen, seq, at
+    cs:{...}:v3:blob:<replica>                    string: its counts (msgpack TransitionSnapshot)
+    cs:{...}:v3:gen:<replica>                     int: generation of the replica's current life
+    cs:{...}:v3:departed_at                       zset: <replica>#<gen> -> when that life last flushed
+    cs:{...}:v3:dep:<replica>#<gen>               string: the counts of a life folded in (gone away)
 
 Why this shape:
 - Each replica writes only its own absolute (decayed) counts, so a retried flush rewrites the same
@@ -21,7 +23,9 @@ Why this shape:
   counts are neither lost nor counted twice if it comes back. Departed blobs weigh less with age
   and are dropped once negligible.
 - The server's clock (TIME) stamps every flush, so replicas' clocks never matter.
-- `v1` is the schema version: a future format gets new keys and never misreads these.
+- Blobs are strings of their own, so a reader fetches a large one in parts with GETRANGE (each
+  part costs Redis only its own bytes) and a fold is a RENAME (no copy).
+- `v3` is the schema version: a future format gets new keys and never misreads these.
 
 Nothing here catches Redis errors: the caller (shared_state.py) owns retries and the breaker.
 """
@@ -36,7 +40,9 @@ from typing import Any
 
 from cachescout.policy import ConfigError
 
-SCHEMA = "v2"   # v2: checksummed blobs (policy/state.py schema 2); v1 replicas and keys are never read
+# v3: blobs in string keys of their own; v2 kept them in hash fields (read in parts, each part
+# cost Redis the whole blob); v1 had no checksum. Older keys are never read.
+SCHEMA = "v3"
 _NAME = re.compile(r"^[A-Za-z0-9._:/@=+-]{1,128}$")
 NAME_RULE = "1-128 characters from letters, digits and . _ : / @ = + -"
 
@@ -55,17 +61,20 @@ end
 return {'ok', m[4]}
 """
 
-# Moves the blob of rep hash KEYS[1] (if any) into departed (KEYS[2] hash, KEYS[3] zset) as field
-# ARGV[1]#<gen>. Shared by register and fold.
+# Moves a replica's blob (if any) to the departed blob `dep_prefix`<name>#<gen> and stamps it in
+# the departed_at zset; deletes its rep hash. Shared by register and fold. The departed key's name
+# depends on the generation stored, so it is built here: it carries the deployment's hash tag, so
+# it lives in the same Redis Cluster slot as the declared keys.
 _FOLD_BODY = """
-local function fold(rep, dep, dep_at, name)
-  local old = redis.call('HMGET', rep, 'gen', 'at', 'blob')
-  if old[3] and string.len(old[3]) > 0 then
+local function fold(rep, blob, dep_at, dep_prefix, name)
+  local old = redis.call('HMGET', rep, 'gen', 'at')
+  if old[1] and redis.call('EXISTS', blob) == 1 then
     local field = name .. '#' .. tostring(old[1])
-    redis.call('HSET', dep, field, old[3])
+    redis.call('RENAME', blob, dep_prefix .. field)
+    redis.call('PERSIST', dep_prefix .. field)   -- departed blobs age out by their stamp, not a TTL
     redis.call('ZADD', dep_at, tonumber(old[2]) or 0, field)
   end
-  redis.call('DEL', rep)
+  redis.call('DEL', rep, blob)
 end
 local function now_ms()
   local t = redis.call('TIME')
@@ -73,13 +82,13 @@ local function now_ms()
 end
 """
 
-# KEYS: meta, gen, rep, replicas, departed, departed_at. ARGV: name, epoch, ttl_ms.
+# KEYS: meta, gen, rep, replicas, blob, departed_at. ARGV: name, epoch, ttl_ms, departed prefix.
 # A new life of replica `name`: its previous life's blob goes to departed. -> {'ok', gen} | {'epoch', e}
 _REGISTER = _FOLD_BODY + """
 local e = redis.call('HGET', KEYS[1], 'epoch')
 if e ~= ARGV[2] then return {'epoch', tostring(e)} end
 local g = redis.call('INCR', KEYS[2])
-fold(KEYS[3], KEYS[5], KEYS[6], ARGV[1])
+fold(KEYS[3], KEYS[5], KEYS[6], ARGV[4], ARGV[1])
 local now = now_ms()
 redis.call('HSET', KEYS[3], 'gen', g, 'seq', 0, 'at', now)
 redis.call('PEXPIRE', KEYS[3], ARGV[3])
@@ -88,7 +97,7 @@ redis.call('ZADD', KEYS[4], now, ARGV[1])
 return {'ok', g}
 """
 
-# KEYS: meta, gen, rep, replicas. ARGV: name, epoch, gen, seq, blob, ttl_ms.
+# KEYS: meta, gen, rep, replicas, blob. ARGV: name, epoch, gen, seq, blob, ttl_ms.
 # -> {'ok', at} | {'dup', seq} | {'stale', gen} | {'epoch', e} (e is 'false' when meta is gone)
 _FLUSH = _FOLD_BODY + """
 local e = redis.call('HGET', KEYS[1], 'epoch')
@@ -105,26 +114,27 @@ end
 -- persistence) and this replica writes its absolute counts back.
 redis.call('SET', KEYS[2], g)
 local now = now_ms()
-redis.call('HSET', KEYS[3], 'gen', g, 'seq', ARGV[4], 'at', now, 'blob', ARGV[5])
+redis.call('HSET', KEYS[3], 'gen', g, 'seq', ARGV[4], 'at', now)
+redis.call('SET', KEYS[5], ARGV[5], 'PX', ARGV[6])
 redis.call('PEXPIRE', KEYS[3], ARGV[6])
 redis.call('PEXPIRE', KEYS[2], ARGV[6])
 redis.call('ZADD', KEYS[4], now, ARGV[1])
 return {'ok', now}
 """
 
-# KEYS: gen, rep, replicas, departed, departed_at. ARGV: name, gen, seq seen by the caller.
+# KEYS: gen, rep, replicas, blob, departed_at. ARGV: name, gen, seq seen by the caller, departed prefix.
 # Folds a silent replica only if it has not flushed since the caller looked. -> 'folded' | 'changed' | 'gone'
 _FOLD = _FOLD_BODY + """
 local h = redis.call('HMGET', KEYS[2], 'gen', 'seq')
 if not h[1] then redis.call('ZREM', KEYS[3], ARGV[1]); return 'gone' end
 if h[1] ~= ARGV[2] or h[2] ~= ARGV[3] then return 'changed' end
-fold(KEYS[2], KEYS[4], KEYS[5], ARGV[1])
+fold(KEYS[2], KEYS[4], KEYS[5], ARGV[4], ARGV[1])
 redis.call('ZREM', KEYS[3], ARGV[1])
 redis.call('INCR', KEYS[1])
 return 'folded'
 """
 
-# KEYS: meta, replicas, departed_at, departed. ARGV: how many entries at most.
+# KEYS: meta, replicas, departed_at. ARGV: how many entries at most.
 # -> {server time ms, meta as flat list, replicas with scores, departed with scores, wrong-typed keys}
 # A key holding another Redis type (written by someone else) reads as empty and is named.
 _HEAD = """
@@ -149,7 +159,6 @@ if typed(KEYS[1], 'hash') then
 end
 if typed(KEYS[2], 'zset') then reps = redis.call('ZRANGE', KEYS[2], 0, n, 'WITHSCORES') end
 if typed(KEYS[3], 'zset') then deps = redis.call('ZRANGE', KEYS[3], 0, n, 'WITHSCORES') end
-if not typed(KEYS[4], 'hash') then deps = {} end
 return {tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000), meta, reps, deps, wrong}
 """
 
@@ -170,29 +179,22 @@ end
 return out
 """
 
-# KEYS: departed, departed_at. ARGV: cutoff (ms), latest plausible stamp (ms). Drops departed blobs
-# stamped before the cutoff, and any stamped after the latest (the stamps are the server's clock:
-# a later one, +inf included, was written by someone else and would never age out).
+# KEYS: departed_at. ARGV: cutoff (ms), latest plausible stamp (ms), departed prefix. Drops departed
+# blobs stamped before the cutoff, and any stamped after the latest (the stamps are the server's
+# clock: a later one, +inf included, was written by someone else and would never age out).
 _PRUNE = """
-local old = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[1])
-for _, f in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[2], '+inf')) do table.insert(old, f) end
+local old = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', '(' .. ARGV[1])
+for _, f in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[2], '+inf')) do table.insert(old, f) end
 for _, f in ipairs(old) do
-  redis.call('HDEL', KEYS[1], f)
-  redis.call('ZREM', KEYS[2], f)
+  redis.call('DEL', ARGV[3] .. f)
+  redis.call('ZREM', KEYS[1], f)
 end
 return #old
 """
 
 
-# KEYS: a hash. ARGV: field, first byte, last byte (1-based, inclusive). -> that part of the field, or nil
-_SLICE = """
-local v = redis.call('HGET', KEYS[1], ARGV[1])
-if not v then return false end
-return string.sub(v, tonumber(ARGV[2]), tonumber(ARGV[3]))
-"""
-
-# Blobs larger than this are fetched in parts of this size: parsing one large reply holds the
-# interpreter lock for milliseconds (about 15 ms for 4 MiB), long enough to stall vLLM's scheduler.
+# Blobs larger than this are fetched in parts of this size (GETRANGE): parsing one large reply holds
+# the interpreter lock for milliseconds (about 15 ms for 4 MiB), long enough to stall vLLM's scheduler.
 FETCH_CHUNK_BYTES = 256 * 1024
 
 
@@ -226,8 +228,8 @@ class StateKeys:
         self.prefix = f"cs:{{{deployment}|{model}}}:{SCHEMA}:"
         self.meta = self.prefix + "meta"
         self.replicas = self.prefix + "replicas"
-        self.departed = self.prefix + "departed"
         self.departed_at = self.prefix + "departed_at"
+        self.departed_prefix = self.prefix + "dep:"
 
     @staticmethod
     def valid_name(name: str) -> bool:
@@ -238,6 +240,13 @@ class StateKeys:
 
     def gen(self, name: str) -> str:
         return f"{self.prefix}gen:{name}"
+
+    def blob(self, name: str) -> str:
+        return f"{self.prefix}blob:{name}"
+
+    def departed(self, field: str) -> str:
+        """The blob of a departed life, `field` being `<replica>#<gen>`."""
+        return self.departed_prefix + field
 
 
 def _text(v: Any) -> str:
@@ -275,7 +284,6 @@ class StateStore:
         self._prune = client.register_script(_PRUNE)
         self._head = client.register_script(_HEAD)
         self._repair = client.register_script(_REPAIR)
-        self._slice = client.register_script(_SLICE)
 
     # -- one replica's own writes -------------------------------------------------------------------
     def ensure_meta(self, half_life: float, hash_domain: str, epoch: str) -> tuple[str, str, str]:
@@ -286,13 +294,13 @@ class StateStore:
 
     def register(self, name: str, epoch: str, ttl_ms: int) -> tuple[str, Any]:
         k = self.keys
-        out = self._register(keys=[k.meta, k.gen(name), k.rep(name), k.replicas, k.departed, k.departed_at],
-                             args=[name, epoch, ttl_ms])
+        out = self._register(keys=[k.meta, k.gen(name), k.rep(name), k.replicas, k.blob(name), k.departed_at],
+                             args=[name, epoch, ttl_ms, k.departed_prefix])
         return _text(out[0]), (_int(out[1]) if _text(out[0]) == "ok" else _text(out[1]))
 
     def flush(self, name: str, epoch: str, gen: int, seq: int, blob: bytes, ttl_ms: int) -> tuple[str, Any]:
         k = self.keys
-        out = self._flush(keys=[k.meta, k.gen(name), k.rep(name), k.replicas],
+        out = self._flush(keys=[k.meta, k.gen(name), k.rep(name), k.replicas, k.blob(name)],
                           args=[name, epoch, gen, seq, blob, ttl_ms])
         status = _text(out[0])
         return status, (_text(out[1]) if status == "epoch" else _int(out[1]))
@@ -308,7 +316,7 @@ class StateStore:
         k = self.keys
         # One script, so the server's clock and the lists come from the same node and moment.
         now_ms, flat_meta, flat_reps, flat_deps, flat_wrong = self._head(
-            keys=[k.meta, k.replicas, k.departed_at, k.departed], args=[self.max_replicas])
+            keys=[k.meta, k.replicas, k.departed_at], args=[self.max_replicas])
         meta = dict(zip(flat_meta[::2], flat_meta[1::2], strict=True))
         wrong = {_text(a): _text(b) for a, b in zip(flat_wrong[::2], flat_wrong[1::2], strict=True)}
         reps = list(zip(flat_reps[::2], flat_reps[1::2], strict=True))
@@ -318,14 +326,14 @@ class StateStore:
         p = self.r.pipeline(transaction=False)
         for n in names:
             p.hmget(k.rep(n), "gen", "seq", "at")
-            p.hstrlen(k.rep(n), "blob")
+            p.strlen(k.blob(n))
         for f in fields:
-            p.hstrlen(k.departed, f)
+            p.strlen(k.departed(f))
         # A key of the wrong type (written by someone else) answers with an error, not an exception.
         got = p.execute(raise_on_error=False)
         malformed: list[str] = []
         replicas: list[StoredBlob] = []
-        want: list[tuple[str, str, str, int]] = []   # (kind, name, key, size) to fetch
+        want: list[tuple[str, str, int]] = []   # (name, key, size) to fetch
         for i, n in enumerate(names):
             fields, size = got[2 * i], got[2 * i + 1]
             if isinstance(fields, Exception) or isinstance(size, Exception):
@@ -340,7 +348,7 @@ class StateStore:
                 continue
             replicas.append(StoredBlob(n, gen, seq, at, size, None))
             if 0 < size <= self.max_blob_bytes and (known or {}).get(n) != (gen, seq):
-                want.append(("rep", n, k.rep(n), size))
+                want.append((n, k.blob(n), size))
         departed: list[StoredBlob] = []
         for (f, at), size in zip(deps, got[2 * len(names):], strict=True):
             f = _text(f)
@@ -351,22 +359,24 @@ class StateStore:
                 continue
             departed.append(StoredBlob(f, gen, 0, int(at), int(size), None))
             if 0 < int(size) <= self.max_blob_bytes and (known or {}).get(f) != (gen, 0):
-                want.append(("dep", f, k.departed, int(size)))
+                want.append((f, k.departed(f), int(size)))
         blobs: dict[str, bytes] = {}
-        small = [w for w in want if w[3] <= FETCH_CHUNK_BYTES]
+        small = [w for w in want if w[2] <= FETCH_CHUNK_BYTES]
         if small:
             p = self.r.pipeline(transaction=False)
-            for kind, name, key, _ in small:
-                p.hget(key, "blob" if kind == "rep" else name)
-            for (_kind, name, _, _), b in zip(small, p.execute(raise_on_error=False), strict=True):
+            for _, key, _ in small:
+                p.get(key)
+            for (name, _, _), b in zip(small, p.execute(raise_on_error=False), strict=True):
                 if isinstance(b, bytes):
                     blobs[name] = b
-        for kind, name, key, size in want:
+        for name, key, size in want:
             if size > FETCH_CHUNK_BYTES:
                 # In parts; a blob rewritten meanwhile comes out torn, and its checksum refuses it.
-                field = "blob" if kind == "rep" else name
-                parts = [self._slice(keys=[key], args=[field, at + 1, at + FETCH_CHUNK_BYTES])
-                         for at in range(0, size, FETCH_CHUNK_BYTES)]
+                # One round trip; each part is its own reply, parsed apart from the others.
+                p = self.r.pipeline(transaction=False)
+                for at in range(0, size, FETCH_CHUNK_BYTES):
+                    p.getrange(key, at, at + FETCH_CHUNK_BYTES - 1)
+                parts = p.execute(raise_on_error=False)
                 if all(isinstance(x, bytes) for x in parts):
                     blobs[name] = b"".join(parts)
         def filled(x: StoredBlob) -> StoredBlob:
@@ -378,19 +388,19 @@ class StateStore:
 
     def fold(self, name: str, gen: int, seq: int) -> str:
         k = self.keys
-        return _text(self._fold(keys=[k.gen(name), k.rep(name), k.replicas, k.departed, k.departed_at],
-                                args=[name, gen, seq]))
+        return _text(self._fold(keys=[k.gen(name), k.rep(name), k.replicas, k.blob(name), k.departed_at],
+                                args=[name, gen, seq, k.departed_prefix]))
 
     def prune_departed(self, cutoff_ms: int, latest_ms: int = 2**53) -> int:
-        return int(self._prune(keys=[self.keys.departed, self.keys.departed_at], args=[cutoff_ms, latest_ms]))
+        return int(self._prune(keys=[self.keys.departed_at], args=[cutoff_ms, latest_ms, self.keys.departed_prefix]))
 
     def repair(self, replica: str | None = None, gens: Sequence[str] = ()) -> dict[str, str]:
         """Delete the deployment's keys (and `replica`'s own, and the generation keys `gens`) that
         hold the wrong Redis type. Returns key -> the type it held."""
         k = self.keys
-        want = [(k.meta, "hash"), (k.replicas, "zset"), (k.departed, "hash"), (k.departed_at, "zset")]
+        want = [(k.meta, "hash"), (k.replicas, "zset"), (k.departed_at, "zset")]
         if replica is not None:
-            want += [(k.rep(replica), "hash"), (k.gen(replica), "string")]
+            want += [(k.rep(replica), "hash"), (k.gen(replica), "string"), (k.blob(replica), "string")]
         want += [(key, "string") for key in gens]
         out = self._repair(keys=[key for key, _ in want], args=[t for _, t in want])
         return {_text(a): _text(b) for a, b in zip(out[::2], out[1::2], strict=True)}

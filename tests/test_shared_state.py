@@ -10,7 +10,8 @@ import redis
 from conftest import RedisServer, need_redis
 
 from cachescout.connector.shared_state import CircuitBreaker, SharedLearnedState, SharedStateSettings
-from cachescout.connector.state_store import StateKeys
+from cachescout.bench.state_bench import plant
+from cachescout.connector.state_store import SCHEMA, StateKeys
 from cachescout.policy import CacheScoutPolicy, ConfigError, PolicyConfig
 
 HALF_LIFE = 1e9   # no decay within a test: merged counts must then be exact sums
@@ -84,7 +85,8 @@ def test_connector_settings_take_shared_state():
 def test_keys_of_deployments_and_models_share_one_hash_tag_each():
     a, b = StateKeys("prod", "llama-8b"), StateKeys("prod", "llama-70b")
     tag = a.rep("x").split("{")[1].split("}")[0]
-    assert all(k.split("{")[1].split("}")[0] == tag for k in (a.meta, a.replicas, a.gen("y"), a.departed))
+    assert all(k.split("{")[1].split("}")[0] == tag
+               for k in (a.meta, a.replicas, a.gen("y"), a.blob("y"), a.departed_at, a.departed("y#1")))
     assert not set(map(a.rep, "xy")) & set(map(b.rep, "xy"))
 
 
@@ -128,12 +130,12 @@ def test_a_retried_or_out_of_order_flush_is_a_no_op(redis_server):
     learn(a[0], [("x", "y")], 5)
     a[1].sync_now()
     store = a[1]._store
-    blob = store.r.hget(a[1].keys.rep("a"), "blob")
+    blob = store.r.get(a[1].keys.blob("a"))
     gen, seq = a[1]._gen, a[1]._flush_seq
     assert store.flush("a", a[1]._epoch, gen, seq, blob, 60_000)[0] == "dup"
     assert store.flush("a", a[1]._epoch, gen, seq, blob, 60_000)[0] == "dup"
     assert store.flush("a", a[1]._epoch, gen, seq - 1, b"older", 60_000)[0] == "dup"
-    assert store.r.hget(a[1].keys.rep("a"), "blob") == blob
+    assert store.r.get(a[1].keys.blob("a")) == blob
     b = make(redis_server.url, "b")
     sync(b)
     assert counts(b[0]) == {("x", "y"): 5.0}
@@ -243,20 +245,22 @@ def test_corrupt_oversized_and_wrong_type_entries_are_rejected_and_counted(redis
     k = a[1].keys
     r = redis.Redis.from_url(redis_server.url)
     now = int(time.time() * 1000)
-    r.hset(k.rep("garbage"), mapping={"gen": 1, "seq": 1, "at": now, "blob": b"\xc1\xff not msgpack"})
-    r.hset(k.rep("huge"), mapping={"gen": 1, "seq": 1, "at": now, "blob": b"\x00" * 10_000})
-    r.hset(k.rep("words"), mapping={"gen": "one", "seq": 1, "at": now, "blob": b""})
+    plant(r, k, "garbage", b"\xc1\xff not msgpack", gen=1, seq=1, at=now)
+    plant(r, k, "huge", b"\x00" * 10_000, gen=1, seq=1, at=now)
+    plant(r, k, "words", gen="one", seq=1, at=now)
     r.set(k.rep("string"), b"not a hash")
-    r.hset(k.departed, "evil#1", b"\x92\x01")
-    r.hset(k.departed, "nogen", b"\x92\x01")
+    plant(r, k, "blobhash", gen=1, seq=1, at=now)
+    r.hset(k.blob("blobhash"), "not", "a string")
+    r.set(k.departed("evil#1"), b"\x92\x01")
+    r.set(k.departed("nogen"), b"\x92\x01")
     r.zadd(k.departed_at, {"evil#1": now, "nogen": now})
-    r.zadd(k.replicas, {n: now for n in ("garbage", "huge", "words", "string")})
+    r.zadd(k.replicas, {n: now for n in ("garbage", "huge", "words", "string", "blobhash")})
     assert a[1].sync_now()
     a[1].on_step(a[0])
-    assert a[1].stats["rejected_blobs"] == 6
+    assert a[1].stats["rejected_blobs"] == 7
     assert counts(a[0]) == {("x", "y"): 2.0}
     a[1].sync_now()                               # rejected once each, not once per round
-    assert a[1].stats["rejected_blobs"] == 6
+    assert a[1].stats["rejected_blobs"] == 7
     r.close()
 
 
@@ -416,7 +420,7 @@ def test_a_replica_killed_mid_flush_leaves_a_whole_blob_and_its_successor_starts
         proc.wait(5)
         proc.stdout.close()
         seq = int(r.hget(keys.rep("victim"), "seq"))
-        snap = TransitionSnapshot.decode(r.hget(keys.rep("victim"), "blob"))
+        snap = TransitionSnapshot.decode(r.get(keys.blob("victim")))
         assert seq > 0 and snap.decayed_rows()["x"]["y"] == pytest.approx(seq, rel=1e-5)   # whole, never torn
         folded += seq
     view = store.read()
@@ -523,21 +527,21 @@ def test_a_round_that_fails_unexpectedly_never_raises_and_the_thread_lives_on(re
     assert len(a[1]._ops) == 0 or a[1]._ops.maxlen <= 100_000
 
 
-@pytest.mark.parametrize("key", ["meta", "replicas", "departed", "departed_at", "gen", "rep"])
+@pytest.mark.parametrize("key", ["meta", "replicas", "departed_at", "gen", "rep", "blob"])
 def test_a_key_of_the_wrong_type_is_repaired_and_sharing_resumes(redis_server, key, caplog):
     a, b = make(redis_server.url, "a"), make(redis_server.url, "b")
     learn(a[0], [("x", "y")], 2)
     learn(b[0], [("x", "z")], 1)
     sync(a, b)
     k = a[1].keys
-    target = {"meta": k.meta, "replicas": k.replicas, "departed": k.departed, "departed_at": k.departed_at,
-              "gen": k.gen("a"), "rep": k.rep("a")}[key]
+    target = {"meta": k.meta, "replicas": k.replicas, "departed_at": k.departed_at,
+              "gen": k.gen("a"), "rep": k.rep("a"), "blob": k.blob("a")}[key]
     r = redis.Redis.from_url(redis_server.url)
     r.delete(target)
     r.rpush(target, "someone", "else's")              # a list where CacheScout keeps a hash/zset/string
     from cachescout.connector.state_admin import collect
     shown = collect(a[1]._store, 3600.0)             # `state show` works, and names the bad key
-    if key == "rep":
+    if key in ("rep", "blob"):
         assert any(x["name"] == "a" for x in shown["rejected"])
     elif key != "gen":                               # (a generation is not part of what show reads)
         assert shown["wrong_type"] == {target: "list"}
@@ -545,8 +549,9 @@ def test_a_key_of_the_wrong_type_is_repaired_and_sharing_resumes(redis_server, k
         for _ in range(3):
             a[1].sync_now()
             b[1].sync_now()
-    assert a[1].stats["repaired_keys"] + b[1].stats["repaired_keys"] >= 1
-    assert any("held a Redis list" in rec.message for rec in caplog.records)
+    if key != "blob":                                # (a's next flush overwrites its own blob whatever it held)
+        assert a[1].stats["repaired_keys"] + b[1].stats["repaired_keys"] >= 1
+        assert any("held a Redis list" in rec.message for rec in caplog.records)
     time.sleep(0.6)                                   # past a breaker cool-down, if one opened
     sync(a, b)
     a[0].learn_transition("x", "y")
@@ -581,19 +586,19 @@ def test_a_departed_entry_stamped_at_infinity_is_dropped(redis_server, score):
     sync(a)
     k = a[1].keys
     r = redis.Redis.from_url(redis_server.url)
-    r.hset(k.departed, "ghost#1", b"junk")
+    r.set(k.departed("ghost#1"), b"junk")
     r.execute_command("ZADD", k.departed_at, score, "ghost#1")
     from cachescout.connector.state_admin import collect
     assert any(x["name"] == "ghost#1" for x in collect(a[1]._store, 3600.0)["rejected"])
     assert a[1].sync_now() and a[1].sync_now()
-    assert r.zscore(k.departed_at, "ghost#1") is None and not r.hexists(k.departed, "ghost#1")
+    assert r.zscore(k.departed_at, "ghost#1") is None and not r.exists(k.departed("ghost#1"))
     r.close()
 
 
 def test_a_huge_meta_value_stays_out_of_logs_and_status(redis_server, caplog):
     r = redis.Redis.from_url(redis_server.url)
     keys = StateKeys("test", "m")
-    r.hset(keys.meta, mapping={"schema": "v2", "half_life": "x" * 50_000_000, "hash_domain": "d0", "epoch": "e"})
+    r.hset(keys.meta, mapping={"schema": SCHEMA, "half_life": "x" * 50_000_000, "hash_domain": "d0", "epoch": "e"})
     a = make(redis_server.url, "a", timeout_s=5.0)    # (moving 50 MB takes a while on this machine)
     with caplog.at_level(logging.WARNING, "cachescout.shared_state"):
         assert not a[1].sync_now()
@@ -610,7 +615,7 @@ def test_a_refused_entry_is_not_fetched_or_decoded_again_until_it_changes(redis_
     k = a[1].keys
     r = redis.Redis.from_url(redis_server.url)
     now = int(time.time() * 1000)
-    r.hset(k.rep("evil"), mapping={"gen": 1, "seq": 1, "at": now, "blob": b"\x90" * 300_000})
+    plant(r, k, "evil", b"\x90" * 300_000, gen=1, seq=1, at=now)
     r.zadd(k.replicas, {"evil": now})
     decoded = []
     real = module.TransitionSnapshot.decode
@@ -634,7 +639,7 @@ def test_an_entry_rewritten_every_round_is_logged_once_and_counted_each_time(red
     with caplog.at_level(logging.WARNING, "cachescout.shared_state"):
         for seq in range(1, 6):
             now = int(time.time() * 1000)
-            r.hset(k.rep("evil"), mapping={"gen": 1, "seq": seq, "at": now, "blob": b"junk"})
+            plant(r, k, "evil", b"junk", gen=1, seq=seq, at=now)
             r.zadd(k.replicas, {"evil": now})
             assert a[1].sync_now()
     assert a[1].stats["rejected_blobs"] == 5

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import pathlib
 import socket
 import subprocess
 import time
@@ -12,12 +13,20 @@ import redis
 from conftest import RedisServer, free_port, need_redis, tls_redis
 
 from cachescout.connector.shared_state import SharedLearnedState, SharedStateSettings
+from cachescout.connector.state_store import FETCH_CHUNK_BYTES, StateKeys, StateStore
 from cachescout.policy import CacheScoutPolicy, PolicyConfig
 
-# The least-privilege rule documented in docs/usage.md (shared state), for deployment "prod".
-ACL_COMMANDS = ("-@all +evalsha +eval +script|load +client|setname +ping +time +get +set +incr "
-                "+del +exists +pexpire +hget +hmget +hset +hdel +hgetall +hstrlen +type +zadd +zrem +zrange "
-                "+zrangebyscore")
+
+
+def _documented_acl() -> str:
+    """The least-privilege rule docs/shared_state.md gives (for deployment "prod"): its commands."""
+    text = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "shared_state.md").read_text()
+    block = text.split("ACL SETUSER cachescout", 1)[1].split("```", 1)[0]
+    words = block.split()
+    return " ".join(words[words.index("-@all"):])
+
+
+ACL_COMMANDS = _documented_acl()
 
 
 def pair(settings: dict, name: str):
@@ -56,6 +65,20 @@ def exchange(settings: dict) -> tuple[dict, dict]:
     return pa.inspect().learner.probabilities("x"), pb.inspect().learner.probabilities("x")
 
 
+def _every_store_operation(client) -> None:
+    """What rounds do beyond a plain exchange: a blob fetched in parts, a restart moving the
+    previous life aside, a silent replica folded, departed counts pruned."""
+    store = StateStore(client, StateKeys("prod", "ops"), max_blob_bytes=4 << 20)
+    assert store.ensure_meta(1.0, "d", "e1")[0] == "created"
+    big = bytes(range(256)) * (3 * FETCH_CHUNK_BYTES // 256 + 7)
+    assert store.register("r", "e1", 60_000) == ("ok", 1) and store.flush("r", "e1", 1, 1, big, 60_000)[0] == "ok"
+    assert [b.blob for b in store.read().replicas] == [big]
+    assert store.register("r", "e1", 60_000) == ("ok", 2)
+    assert [(b.name, b.blob) for b in store.read().departed] == [("r#1", big)]
+    assert store.fold("r", 2, 0) == "folded" and store.read().replicas == []
+    assert store.prune_departed(int(time.time() * 1000) + 60_000) == 1 and store.read().departed == []
+
+
 def test_least_privilege_acl_user_can_do_everything_the_replicas_need(redis_server, monkeypatch, caplog):
     admin = redis.Redis.from_url(redis_server.url)
     admin.execute_command("ACL", "SETUSER", "cachescout", "on", ">s3cret-pw", "resetkeys", "~cs:{prod|*",
@@ -66,6 +89,9 @@ def test_least_privilege_acl_user_can_do_everything_the_replicas_need(redis_serv
     with caplog.at_level(logging.DEBUG):
         pa, pb = exchange({"url": redis_server.url, "username": "cachescout", "password_env": "CS_STATE_PW"})
     assert set(pa) == set(pb) == {"y", "z"}
+    user = redis.Redis.from_url(redis_server.url, username="cachescout", password="s3cret-pw")
+    _every_store_operation(user)
+    user.close()
     # A user that may not write: loud, counted, and nothing raised into the caller.
     monkeypatch.setenv("CS_STATE_PW", "other-pw")
     _, shared = pair({"url": redis_server.url, "username": "readonly", "password_env": "CS_STATE_PW"}, "c")
@@ -135,7 +161,7 @@ def test_through_sentinel(tmp_path, monkeypatch, mode):
             settings |= {"sentinel_tls": True, "tls_ca_file": str(tmp_path / "ca.crt")}
         pa, _ = exchange(settings)
         assert set(pa) == {"y", "z"}
-        assert redis.Redis(host="127.0.0.1", port=master.port, **tls_kw).exists("cs:{prod|m}:v2:meta")
+        assert redis.Redis(host="127.0.0.1", port=master.port, **tls_kw).exists(StateKeys("prod", "m").meta)
     finally:
         proc.terminate()
         proc.wait(5)
@@ -236,6 +262,7 @@ def test_on_redis_cluster_every_key_of_a_deployment_is_in_one_slot(tmp_path):
         rc = RedisCluster(host="127.0.0.1", port=ports[0])
         keys = list(rc.scan_iter(match="cs:*"))
         assert len(keys) >= 5 and len({rc.keyslot(k) for k in keys}) == 1
+        _every_store_operation(rc)     # the scripts that name a departed blob's key themselves included
         rc.close()
     finally:
         for proc in procs:

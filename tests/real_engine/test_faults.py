@@ -20,7 +20,7 @@ import redis
 from conftest import RedisServer, need_redis
 
 from cachescout.bench import serve
-from cachescout.bench.state_bench import hostile_blobs
+from cachescout.bench.state_bench import hostile_blobs, plant
 from cachescout.connector.state_store import StateKeys
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]   # the project's sources (an editable install)
@@ -93,7 +93,7 @@ def faulted(tmp_path_factory):
         r = redis.Redis.from_url(state.url)
         now = int(time.time() * 1000)
         for i, blob in enumerate(hostile_blobs(4 * 1024 * 1024).values()):
-            r.hset(keys.rep(f"evil-{i}"), mapping={"gen": 1, "seq": 1, "at": now, "blob": blob})
+            plant(r, keys, f"evil-{i}", blob, gen=1, seq=1, at=now)
             r.zadd(keys.replicas, {f"evil-{i}": now})
         r.delete(keys.departed_at)
         r.rpush(keys.departed_at, "not a sorted set")

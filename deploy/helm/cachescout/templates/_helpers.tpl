@@ -61,7 +61,7 @@ checkov.io/skip2: CKV_K8S_15=IfNotPresent with pinned images; Always would pull 
 
 {{/* The Redis ACL rule of CacheScout's replicas (docs/shared_state.md), limited to this release's keys. */}}
 {{- define "cachescout.stateAcl" -}}
-resetkeys ~cs:{{ "{" }}{{ default .Release.Name .Values.cachescout.sharedState.deployment }}|* resetchannels -@all +evalsha +eval +script|load +client|setname +ping +time +get +set +incr +del +exists +pexpire +hget +hmget +hset +hdel +hgetall +hstrlen +type +zadd +zrem +zrange +zrangebyscore
+resetkeys ~cs:{{ "{" }}{{ default .Release.Name .Values.cachescout.sharedState.deployment }}|* resetchannels -@all +evalsha +eval +script|load +client|setname +ping +time +get +set +incr +del +exists +pexpire +hget +hmget +hset +strlen +getrange +rename +persist +type +zadd +zrem +zrange +zrangebyscore
 {{- end -}}
 
 {{/* LMCache's Redis commands (redis-py GET/SET/EXISTS on its chunk keys). */}}
