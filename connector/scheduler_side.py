@@ -45,7 +45,6 @@ class SchedulerSide:
         self.steps = 0
         self.open_requests = 0     # seen by `arrived`, not yet finished
         self.report = CounterReport()
-        self._reported_degraded = 0
         self._scores_epoch = -1
         self._scores_sent_at = float("-inf")
         self._prefetch_sent: set[str] = set()
@@ -167,11 +166,9 @@ class SchedulerSide:
             now["state_rejected_blobs"] = st["rejected_blobs"]
         delta = self.report.since_last(now)
         if shared is not None:
-            # A level, not a count: sent while degraded and once when it clears.
-            degraded = int(shared.degraded)
-            if degraded or self._reported_degraded:
-                delta["state_degraded"] = degraded
-            self._reported_degraded = degraded
+            # A level, not a count: in every report, so that a report vLLM drops or sends to
+            # another front-end cannot leave the gauge on a stale value.
+            delta["state_degraded"] = int(shared.degraded)
         return delta or None
 
     def shutdown(self) -> None:

@@ -68,6 +68,8 @@ class CacheScoutStats(KVConnectorStats):
             d["decision_us_per_step"] = round(1e6 * d.get("decision_s", 0.0) / steps, 2)
         if d.get("predictions"):
             d["prediction_accuracy"] = round(d.get("predictions_correct", 0) / d["predictions"], 4)
+        if "state_degraded" in d:
+            d["state_degraded"] = int(d["state_degraded"] > 0)   # a level: summed reports say "some were"
         return d
 
     def is_empty(self) -> bool:

@@ -499,3 +499,40 @@ def test_a_queued_requests_cached_prefix_outlives_the_running_requests_decode():
     CacheScout the blocks of a queued request go last, and D's are evicted instead."""
     assert _queued_request_hit(None) < 64
     assert _queued_request_hit({}) == 64
+
+
+def test_every_report_carries_the_shared_state_level_until_it_clears(tmp_path):
+    """The degraded gauge is a level: each report says it, so no single lost report leaves the gauge
+    stale (a real SharedLearnedState, first against a port with no server, then one started there)."""
+    from conftest import RedisServer, free_port, need_redis
+
+    from cachescout.connector.scheduler_side import SchedulerSide
+    from cachescout.connector.settings import ConnectorSettings
+    from cachescout.connector.shared_state import SharedLearnedState
+    need_redis()
+    port = free_port()
+    settings = ConnectorSettings.from_extra_config(
+        {"shared_state": {"url": f"redis://127.0.0.1:{port}", "replica": "r", "timeout_s": 0.2,
+                          "flush_interval_s": 60}}, block_size=16)
+    side = SchedulerSide(settings, budget_tokens=2048, max_seqs=8, shared=lambda: SharedLearnedState(
+        settings.shared_state, half_life=settings.policy.transition_half_life, model="m", hash_domain="d"))
+    now = [0.0]
+    side.set_clock(lambda: now[0])
+
+    def report() -> dict:
+        now[0] += 2.0
+        return side.counters() or {}
+    server = None
+    try:
+        side.shared.sync_now()
+        assert [report().get("state_degraded") for _ in range(3)] == [1, 1, 1]
+        server = RedisServer(port=port)
+        assert side.shared.sync_now()
+        assert [report().get("state_degraded") for _ in range(3)] == [0, 0, 0]
+        from cachescout.connector.vllm_connector import CacheScoutStats
+        summed = CacheScoutStats(data={"state_degraded": 1}).aggregate(CacheScoutStats(data={"state_degraded": 1}))
+        assert summed.reduce()["state_degraded"] == 1
+    finally:
+        side.shutdown()
+        if server is not None:
+            server.stop()
