@@ -193,8 +193,8 @@ return #old
 """
 
 
-# Blobs larger than this are fetched in parts of this size (GETRANGE): parsing one large reply holds
-# the interpreter lock for milliseconds (about 15 ms for 4 MiB), long enough to stall vLLM's scheduler.
+# Blobs are fetched in parts of at most this size: parsing one large reply holds the interpreter
+# lock for milliseconds (about 15 ms for 4 MiB), long enough to stall vLLM's scheduler.
 FETCH_CHUNK_BYTES = 256 * 1024
 
 
@@ -360,23 +360,18 @@ class StateStore:
             departed.append(StoredBlob(f, gen, 0, int(at), int(size), None))
             if 0 < int(size) <= self.max_blob_bytes and (known or {}).get(f) != (gen, 0):
                 want.append((f, k.departed(f), int(size)))
+        # One round trip for every blob wanted; one over FETCH_CHUNK_BYTES in parts (GETRANGE), each
+        # part its own reply, parsed apart from the others. A blob rewritten meanwhile comes out
+        # torn, and its checksum refuses it.
         blobs: dict[str, bytes] = {}
-        small = [w for w in want if w[2] <= FETCH_CHUNK_BYTES]
-        if small:
+        if want:
             p = self.r.pipeline(transaction=False)
-            for _, key, _ in small:
-                p.get(key)
-            for (name, _, _), b in zip(small, p.execute(raise_on_error=False), strict=True):
-                if isinstance(b, bytes):
-                    blobs[name] = b
-        for name, key, size in want:
-            if size > FETCH_CHUNK_BYTES:
-                # In parts; a blob rewritten meanwhile comes out torn, and its checksum refuses it.
-                # One round trip; each part is its own reply, parsed apart from the others.
-                p = self.r.pipeline(transaction=False)
+            for _, key, size in want:
                 for at in range(0, size, FETCH_CHUNK_BYTES):
                     p.getrange(key, at, at + FETCH_CHUNK_BYTES - 1)
-                parts = p.execute(raise_on_error=False)
+            replies = iter(p.execute(raise_on_error=False))
+            for name, _, size in want:
+                parts = [next(replies) for _ in range(0, size, FETCH_CHUNK_BYTES)]
                 if all(isinstance(x, bytes) for x in parts):
                     blobs[name] = b"".join(parts)
         def filled(x: StoredBlob) -> StoredBlob:
