@@ -547,7 +547,8 @@ class SharedLearnedState:
         if read:
             t0 = time.perf_counter()
             view = store.read(skip=self.replica, known={**self._rejected,
-                                                        **{n: p.key for n, p in self._peers.items()}})
+                                                        **{n: p.key for n, p in self._peers.items()}},
+                              tick=self._pacer)
             if view.wrong_type:
                 self._repair(store)
             t1 = time.perf_counter()

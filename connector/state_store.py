@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from cachescout.policy import ConfigError
@@ -310,9 +310,12 @@ class StateStore:
         return _int(self.r.hget(self.keys.rep(name), "gen"))
 
     # -- everyone's state ---------------------------------------------------------------------
-    def read(self, *, skip: str | None = None, known: dict[str, tuple[int, int]] | None = None) -> StoreView:
+    def read(self, *, skip: str | None = None, known: dict[str, tuple[int, int]] | None = None,
+             tick: Callable[[], object] | None = None) -> StoreView:
         """Everything stored, in two or three round trips. Blobs over the size limit are not fetched;
-        blobs whose (gen, seq) is in `known` are not fetched again (their `blob` is b"")."""
+        blobs whose (gen, seq) is in `known` are not fetched again (their `blob` is b"").
+        `tick` is called after each blob is put together (a background caller yields the
+        interpreter lock there: joining a 4 MiB blob's parts is a millisecond or two)."""
         k = self.keys
         # One script, so the server's clock and the lists come from the same node and moment.
         now_ms, flat_meta, flat_reps, flat_deps, flat_wrong = self._head(
@@ -374,6 +377,8 @@ class StateStore:
                 parts = [next(replies) for _ in range(0, size, FETCH_CHUNK_BYTES)]
                 if all(isinstance(x, bytes) for x in parts):
                     blobs[name] = b"".join(parts)
+                    if tick is not None:
+                        tick()
         def filled(x: StoredBlob) -> StoredBlob:
             # fetched bytes; b"" when nothing was flushed yet or the caller has it; None when too large
             return dataclasses.replace(x, blob=blobs.get(x.name, b"" if x.size <= self.max_blob_bytes else None))

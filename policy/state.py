@@ -42,6 +42,9 @@ MAX_COUNT = 2**62               # far above any real decayed count; guards int o
 _CRC_BYTES = 4
 _CHECK_EVERY = 512               # arrays built between two calls of `checkpoint`
 _FIELDS = frozenset({"kind", "schema", "half_life", "rows"})
+_CELLS, _LISTED, _ROW = 0, 1, 2  # where the list hook is within one value (see _Shapes)
+_CELLS_PER_PART = 2048           # transitions checked between two calls of `checkpoint`
+_ONLY_TUPLES = {tuple}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +110,7 @@ class TransitionSnapshot:
         data = bytes(data)
         if len(data) <= _CRC_BYTES:
             raise StateDecodeError(f"state is {len(data)} bytes, too short to be a snapshot")
-        body = data[:-_CRC_BYTES]
+        body = memoryview(data)[:-_CRC_BYTES]   # not a copy: 4 MiB copied holds the lock ~1 ms
         if zlib.crc32(body) != int.from_bytes(data[-_CRC_BYTES:], "big"):
             raise StateDecodeError("state checksum does not match (corrupted in storage or transit, or not "
                                    f"a schema {SCHEMA_VERSION} snapshot)")
@@ -137,7 +140,7 @@ class TransitionSnapshot:
         return cls(float(half_life), rows)
 
 
-def _read(body: bytes, rows: dict[str, _Cells], checkpoint: Callable[[], object] | None) -> dict[str, Any]:
+def _read(body: memoryview, rows: dict[str, _Cells], checkpoint: Callable[[], object] | None) -> dict[str, Any]:
     """The header fields of `body`; its rows into `rows`, one at a time."""
     shapes = _Shapes(checkpoint)
     # The limits bound what the unpacker may allocate, whatever the bytes claim; the hooks refuse
@@ -153,11 +156,13 @@ def _read(body: bytes, rows: dict[str, _Cells], checkpoint: Callable[[], object]
         if n > len(_FIELDS):
             raise StateDecodeError(f"state header has {n} fields; a snapshot has {sorted(_FIELDS)}")
         for _ in range(n):
+            shapes.next_value()
             key = u.unpack()
             if key not in _FIELDS or key in header:
                 raise StateDecodeError(f"state header field {key!r:.80} is unknown or repeated "
                                        f"(fields: {sorted(_FIELDS)})")
             if key != "rows":
+                shapes.next_value()
                 header[key] = u.unpack()
                 continue
             header[key] = True
@@ -168,6 +173,7 @@ def _read(body: bytes, rows: dict[str, _Cells], checkpoint: Callable[[], object]
             if count > MAX_AGENTS:
                 raise StateDecodeError(f"state has {count} rows, over the limit of {MAX_AGENTS}")
             for i in range(count):
+                shapes.next_value()
                 row = u.unpack()
                 if type(row) is not _Row:
                     raise StateDecodeError(f"state rows[{i}] must be [agent, [[agent, count], ...]], got "
@@ -187,10 +193,16 @@ def _read(body: bytes, rows: dict[str, _Cells], checkpoint: Callable[[], object]
 
 
 def _release(rows: dict[str, _Cells], checkpoint: Callable[[], object] | None) -> None:
-    """Free what a refused snapshot had built one row at a time, so that freeing it is no single
-    long step either."""
+    """Free what a refused snapshot had built a part of a row at a time, so that freeing it is no
+    single long step either (a row of 16,384 transitions takes milliseconds to free at once)."""
     while rows:
-        rows.popitem()
+        _, cells = rows.popitem()
+        while len(cells) > _CELLS_PER_PART:
+            for _ in range(_CELLS_PER_PART):
+                cells.popitem()
+            if checkpoint is not None:
+                checkpoint()
+        del cells
         if checkpoint is not None:
             checkpoint()
 
@@ -217,17 +229,30 @@ def _check_agent(name: Any, where: str) -> None:
 
 
 class _Shapes:
-    __slots__ = ("cells", "arrays", "checkpoint")
+    """The list hook's state within one top-level value (one row, one header field): a row is built
+    as its cells, then the list of them, then the row, and nothing more. So an array may never
+    enclose a row or a second list of transitions; hostile bytes that nest them are refused at the
+    second one instead of after a whole array of them is built (and must be freed)."""
+
+    __slots__ = ("cells", "arrays", "checkpoint", "phase")
 
     def __init__(self, checkpoint: Callable[[], object] | None) -> None:
         self.cells = 0
         self.arrays = 0
         self.checkpoint = checkpoint
+        self.phase = _CELLS
+
+    def next_value(self) -> None:
+        """Called before each top-level value is unpacked."""
+        self.phase = _CELLS
 
     def array(self, items: list) -> Any:
         self.arrays += 1
         if self.checkpoint is not None and not self.arrays % _CHECK_EVERY:
             self.checkpoint()
+        if self.phase == _ROW:
+            raise StateDecodeError(f"state holds an array around a row (rows belong only in 'rows'): "
+                                   f"{_peek(items)}")
         if len(items) == 2:
             name, second = items
             if type(name) is str:
@@ -238,28 +263,40 @@ class _Shapes:
                         _check_agent(name, "transition target")
                         raise StateDecodeError(f"state transition to {name!r:.80} must have an integer count "
                                                f"in 1..{MAX_COUNT}, got {second!r}")
+                    if self.phase != _CELLS:
+                        raise StateDecodeError(f"state holds a transition outside a row's list: {name!r:.80}")
                     self.cells += 1
                     if self.cells > MAX_CELLS:
                         raise StateDecodeError(f"state holds more than {MAX_CELLS} transitions")
                     return (name, second)
                 if kind is _Cells or (kind is list and not second):   # a row: [agent, [[agent, count], ...]]
                     _check_agent(name, "row agent")
+                    self.phase = _ROW
                     return _Row((name, second if second else _Cells()))
                 if kind is float or kind is bool:
                     raise StateDecodeError(f"state transition to {name!r:.80} must have an integer count in "
                                            f"1..{MAX_COUNT}, got {second!r}")
-        if not items:
-            return items                                  # an empty row, or no rows at all
-        first = type(items[0])
-        if first is tuple:                                # a row's cells
-            if any(type(c) is not tuple for c in items):
-                raise StateDecodeError(f"state transitions list mixes other values in: {_peek(items)}")
-            cells = _Cells(items)
-            if len(cells) != len(items):
-                raise StateDecodeError(f"state transitions list repeats agent {_repeated(items)!r:.80}")
-            return cells
+        if not items or type(items[0]) is tuple:          # a row's list of transitions (or no rows at all)
+            if self.phase != _CELLS:
+                raise StateDecodeError(f"state holds an array around a list of transitions: {_peek(items)}")
+            self.phase = _LISTED
+            return self._cells(items) if items else items
         raise StateDecodeError(f"state holds an array that is not a [agent, count] transition, a row "
                                f"[agent, [[agent, count], ...]] or a list of transitions: {_peek(items)}")
+
+    def _cells(self, items: list) -> _Cells:
+        # In parts, with a checkpoint after each: a row's list of 16,384 transitions is several ms.
+        cells = _Cells()
+        for i in range(0, len(items), _CELLS_PER_PART):
+            part = items[i:i + _CELLS_PER_PART]
+            if set(map(type, part)) != _ONLY_TUPLES:
+                raise StateDecodeError(f"state transitions list mixes other values in: {_peek(items)}")
+            cells.update(part)
+            if self.checkpoint is not None:
+                self.checkpoint()
+        if len(cells) != len(items):
+            raise StateDecodeError(f"state transitions list repeats agent {_repeated(items)!r:.80}")
+        return cells
 
     def map(self, pairs: list[tuple[Any, Any]]) -> Any:
         raise StateDecodeError(f"state holds a map inside its header (keys {_peek([k for k, _ in pairs])}); "

@@ -78,7 +78,11 @@ def _payload(**over):
     (_payload(rows=[["a", [["b", 1], ["b", 2]]]]), "repeats agent"),
     (_payload(rows=[["a"]]), "not a [agent, count]"),
     (_payload(rows=[["a", [["b", 1]]], ["c", 5]]), "rows[1] must be"),
-    (_payload(rows=[["a", [["b", 1], ["c", [["d", 1]]]]]]), "mixes other values"),
+    (_payload(rows=[["a", [["b", 1], "c"]]]), "mixes other values"),
+    # Rows and transition lists are never nested: refused at the second one, not after a whole array of them.
+    (_payload(rows=[["a", [["b", 1], ["c", [["d", 1]]]]]]), "array around a row"),
+    (_payload(rows=[["a", [[], []]]]), "array around a list of transitions"),
+    (_payload(rows=[["a", [[["b", 1]], ["c", 1]]]]), "transition outside a row's list"),
     (_payload(rows=[["a", [["b", {"c": 1}]]]]), "holds a map"),
     (_payload(rows="x"), "'rows' must be a list"),
     (_payload(extra=1), "header has 5 fields"),
@@ -119,6 +123,20 @@ def test_hostile_shapes_are_refused_before_they_expand():
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         assert peak < 40 * 1024 * 1024, (name, peak)
+
+
+def test_nested_rows_and_lists_are_refused_at_the_second_not_after_the_array():
+    # An array of 16,000 rows (or of empty lists) was built whole, then refused, then freed: a
+    # stretch of milliseconds with the interpreter lock held, per entry per round. Rows and lists
+    # of transitions never nest, so the second one is refused before the rest are built.
+    for name in ("one-cell rows", "empty arrays"):
+        blob = hostile_blobs(256 * 1024)[name]
+        tracemalloc.start()
+        with pytest.raises(StateDecodeError, match="array around"):
+            TransitionSnapshot.decode(blob)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert peak < 2 * len(blob), (name, peak)   # the bytes, the unpacker's arrays, next to nothing built
 
 
 def test_decoding_calls_the_checkpoint_so_a_caller_can_yield():
