@@ -311,6 +311,12 @@ class SurvivalScorer:
                         if r < 1.0 and head is not None:
                             idle = max(now - head.freed_at, 0.0) + 1e-3
                             rate = math.exp(r * math.log(rate) + (1.0 - r) * (math.log(p) - math.log(idle)))
+                    # Never below what the same blocks would be worth once the session expired:
+                    # a session predicted to end (rate ~0) may still see its context used by
+                    # another (a chat's next turn as a session of its own), as expired ones are.
+                    head = g.head
+                    if dead_reuse > 0.0 and head is not None:
+                        rate = max(rate, dead_reuse / (max(now - head.freed_at, 0.0) + 1e-3))
                     # How far sessions are linked across agents bears only on contexts under
                     # another agent than the session's own (its own agent's next call extends
                     # the prompt it already sent: a continuation, always linked).

@@ -6,13 +6,14 @@ from pathlib import Path
 import pytest
 
 from cachescout.bench.policies import REGISTRY, make_policy
-from cachescout.bench.replay import CacheTooSmall, Engine, EngineConfig, PromptKeys
+from cachescout.bench.replay import CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys
 from cachescout.bench.run import NEED_AGENTS, BenchOptions, run_sessions
-from cachescout.bench.trace import TraceError, export_trace, parse_trace, read_trace
+from cachescout.bench.trace import TraceError, TraceOptions, export_trace, load_trace, parse_trace, read_trace
 from cachescout.bench.workloads import WorkloadSpec, generate
 from cachescout.policy import PolicyConfig
 
 GOLDEN = Path(__file__).parent / "data" / "golden.jsonl.gz"
+MOONCAKE_CHAT = Path(__file__).parent / "data" / "mooncake" / "conversation_first_3000.jsonl.gz"
 
 
 def _hit(sessions, name, blocks, **engine):
@@ -86,6 +87,23 @@ def test_prefetch_into_a_full_cache_evicts_only_blocks_the_policy_knows(name):
     result = _hit(sessions, name, 600, cpu_blocks=600, redis_blocks=2000)
     assert len(result.requests) == sum(len(s.calls) for s in sessions)
     assert result.prefetch_issued > 0
+
+
+def test_chat_turns_that_come_as_sessions_of_their_own_do_not_lose_to_lru():
+    # Mooncake's chat trace: no session ids, and no prompt extends an earlier one whole, so every
+    # call is a session of its own, predicted to end after it. While that session was live its
+    # context was scored as never used again, below what it is worth once expired (used as LRU
+    # would expect, times the share of expired contexts used again): evicted before LRU would,
+    # while later turns still came for it (0.134 against LRU's 0.143 here).
+    sessions, report = load_trace(MOONCAKE_CHAT, TraceOptions(time_scale=8.0))
+    assert report.records == 3000 and report.skipped == 0
+    cost = CostProfile()
+    got = {}
+    for name in ("lru", "cachescout"):
+        policy = make_policy(name, PolicyConfig(block_size=512, **cost.policy_settings()), sessions)
+        engine = Engine(EngineConfig(gpu_blocks=6000, block_size=512, cost=cost), policy)
+        got[name] = engine.run(sessions).summary()["token_hit_rate"]
+    assert got["cachescout"] >= got["lru"], got
 
 
 def test_golden_figures_with_lower_tiers():
