@@ -303,20 +303,20 @@ class SurvivalScorer:
                     t_next, alive = sv.t_next, sv.alive
                     p = row.reach.get(agent, 0.0)
                     rate = alive * p / (t_next + row.extra.get(agent, 0.0) * step) if p else 0.0
-                    if rate > 0.0:
-                        # Timing as far as the waits are regular: where they are not, the time a
-                        # session has idled stands in for when it calls next (as in LRU).
-                        r = think.reliability(ses.agent)
-                        head = g.head
-                        if r < 1.0 and head is not None:
-                            idle = max(now - head.freed_at, 0.0) + 1e-3
-                            rate = math.exp(r * math.log(rate) + (1.0 - r) * (math.log(p) - math.log(idle)))
-                    # Never below what the same blocks would be worth once the session expired:
-                    # a session predicted to end (rate ~0) may still see its context used by
-                    # another (a chat's next turn as a session of its own), as expired ones are.
                     head = g.head
-                    if dead_reuse > 0.0 and head is not None:
-                        rate = max(rate, dead_reuse / (max(now - head.freed_at, 0.0) + 1e-3))
+                    if head is not None:
+                        idle = max(now - head.freed_at, 0.0) + 1e-3
+                        if rate > 0.0:
+                            # Timing as far as the waits are regular: where they are not, the time
+                            # a session has idled stands in for when it calls next (as in LRU).
+                            r = think.reliability(ses.agent)
+                            if r < 1.0:
+                                rate = math.exp(r * math.log(rate) + (1.0 - r) * (math.log(p) - math.log(idle)))
+                        # Never below what the same blocks are worth once the session expired: a
+                        # session predicted to end (rate ~0) may still see its context used by
+                        # another (a chat's next turn as a session of its own), as expired ones are.
+                        if dead_reuse > 0.0:
+                            rate = max(rate, dead_reuse / idle)
                     # How far sessions are linked across agents bears only on contexts under
                     # another agent than the session's own (its own agent's next call extends
                     # the prompt it already sent: a continuation, always linked).

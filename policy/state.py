@@ -44,7 +44,7 @@ _CHECK_EVERY = 512               # arrays built between two calls of `checkpoint
 _FIELDS = frozenset({"kind", "schema", "half_life", "rows"})
 _CELLS, _LISTED, _ROW = 0, 1, 2  # where the list hook is within one value (see _Shapes)
 _CELLS_PER_PART = 2048           # transitions checked between two calls of `checkpoint`
-_ONLY_TUPLES = {tuple}
+_ONLY_TUPLES = frozenset({tuple})
 
 
 @dataclasses.dataclass(frozen=True)
