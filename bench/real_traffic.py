@@ -32,7 +32,7 @@ from cachescout.policy import NATIVE_STATUS, PolicyConfig
 from .bound import belady_hits
 from .policies import REGISTRY, make_policy
 from .replay import CostProfile, Engine, EngineConfig, PromptKeys
-from .run import calibrate_gpu_blocks
+from .run import calibrate_gpu_blocks, timing
 from .table import render
 from .trace import TraceOptions, load_trace
 
@@ -65,7 +65,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in cell.policies}
     bounds = []
     for j in range(cell.jitters):
-        cost = dataclasses.replace(base, prefill_s_per_token=base.prefill_s_per_token * (1.0 + 0.001 * j))
+        cost = timing(base, j)
         best = 0.0
         for name in cell.policies:
             engine = Engine(EngineConfig(gpu_blocks=blocks, block_size=bs, cpu_blocks=cpu, cost=cost),

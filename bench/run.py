@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import math
 import multiprocessing
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +28,11 @@ DEFAULT_POLICIES = ("lru", "cachescout", "cachescout-hints", "belady")
 NEED_AGENTS = ("cachescout-hints", "kvflow")   # given the true agents (and sessions) of every call
 TARGET_LRU_HIT = 0.68  # default pressure: LRU inside the 60-75% band
 CEILING_SHARE = 0.8    # ... or at this share of the unbounded cache's hit rate, if lower
+# A closed loop is chaotic: a prefill 0.1% slower reorders later calls, and on a few long
+# conversations LRU's own hit rate moves by a point from that alone. A trace replayed closed loop
+# is reported as the mean over this many timings, each policy against LRU on the same ones.
+CLOSED_LOOP_TIMINGS = 3
+TIMING_STEP = 0.001    # each timing's prefill cost differs from the last by this share
 
 
 _COUNT = 10**9            # sessions, blocks: far above any machine's
@@ -67,6 +74,10 @@ class BenchOptions:
                                 ".jsonl.gz) or kv-cache-tester conversation files (.json, .json.gz: one file, "
                                 "or a folder of them, mixed); the format is detected (docs/workloads.md)")
     trace_options: TraceOptions = TraceOptions()   # how to read it (its own settings: --trace-* flags)
+    timings: int = setting(0, "replay every policy under this many timings (the prefill cost moved by 0.1% steps) and "
+                           "report the means, each policy against LRU on the same timings; 0: "
+                           f"{CLOSED_LOOP_TIMINGS} for a trace replayed closed loop, whose timing is chaotic, else 1",
+                           lo=0, hi=100)
     export_trace: str | None = setting(None, "write each built-in workload's calls to DIR/<workload>.jsonl")
     engine: str = "fast"                # "vllm": also replay on vLLM's own scheduler (GPU tier only)
     policies_chosen: bool = False       # False: `policies` is the default list, which leaves out
@@ -164,7 +175,6 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     if opts.engine == "vllm":
         return _on_vllm(name, sessions, cfg, opts, progress, prompt_keys)
     labelled = all(c.agent is not None for s in sessions for c in s.calls)
-    results = []
     policy_cfg = dataclasses.replace(opts.policy_config, block_size=block_size, **cfg.cost.policy_settings())
     policies = [p for p in opts.policies if labelled or opts.policies_chosen or p not in NEED_AGENTS]
     for policy_name in policies:
@@ -172,23 +182,15 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
             unlabelled = sum(c.agent is None for s in sessions for c in s.calls)
             raise InputError(f"{policy_name} needs the true agent of every call ('agent' in the trace); "
                              f"{unlabelled:,} calls here have none")
-        policy = make_policy(policy_name, policy_cfg, sessions)
-        t0 = time.perf_counter()
-        tick = _ticker(progress, f"{name}: {policy_name}") if progress else None
-        engine = Engine(cfg, policy, prompt_keys).record()
-        summary = engine.run(sessions, tick).summary()
-        summary["replay_wall_s"] = time.perf_counter() - t0
-        summary["replay_calls_per_s"] = calls / summary["replay_wall_s"]
-        if progress:
-            progress(f"{name}: {policy_name}: the bound on its run")
-        # The best any eviction order could have hit on this run's own calls (bound.py).
-        summary["run_bound_gpu_hit_rate"] = (belady_hits(cast(list, engine.log), blocks, block_size)
-                                             / summary["prompt_tokens"] if summary["prompt_tokens"] else 0.0)
-        engine.log = None
-        observations = getattr(policy, "observations", None)
-        if observations is not None and labelled:
-            summary.update(inference_accuracy(observations, warmup=min(200, calls // 10)))
-        results.append(summary)
+    timings = opts.timings or (CLOSED_LOOP_TIMINGS if opts.trace and closed_loop(sessions) else 1)
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    for j in range(timings):
+        run_cfg = dataclasses.replace(cfg, cost=timing(cfg.cost, j))
+        for policy_name in policies:
+            label = f"{name}: {policy_name}" + (f" (timing {j + 1}/{timings})" if timings > 1 else "")
+            runs[policy_name].append(_replay(policy_name, sessions, run_cfg, policy_cfg, prompt_keys, labelled,
+                                             progress, label))
+    results = [_mean_of(rs) for rs in runs.values()]
     known = {r["policy"]: r for r in results}
     sweeps = {}
     if opts.sweeps:
@@ -217,6 +219,16 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     for r in results:
         r["within_bound"] = r["gpu_token_hit_rate"] <= bound + 1e-12
     lru = next((r for r in results if r["policy"] == "lru"), None)
+    lru_spread = None
+    if lru is not None and timings > 1:
+        # Against LRU on the same timings: the mean difference's standard error, beside LRU's own
+        # spread across them (the noise of any single replay).
+        lru_hits = [r["token_hit_rate"] for r in runs["lru"]]
+        lru_spread = statistics.stdev(lru_hits)
+        for r in results:
+            d = [a["token_hit_rate"] - b for a, b in zip(runs[r["policy"]], lru_hits, strict=True)]
+            r["hit_vs_lru"] = statistics.fmean(d)
+            r["hit_vs_lru_se"] = statistics.stdev(d) / math.sqrt(len(d))
     for r in results:
         if lru is None:
             continue
@@ -238,9 +250,62 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         "block_size": block_size,
         "unbounded_cache_hit_rate": unbounded_hit,
         "bound_gpu_hit_rate": bound,
+        "timings": timings,
+        "lru_spread": lru_spread,
         "results": results,
         **sweeps,
     }
+
+
+def closed_loop(sessions: Sequence[Session]) -> bool:
+    """Whether some session issues a call only after its previous one finished (its timing then
+    depends on the replay's own)."""
+    return any(not s.offsets_s and len(s.calls) > 1 for s in sessions)
+
+
+def timing(cost: CostProfile, j: int) -> CostProfile:
+    """The `j`th timing of a replay: the prefill cost moved by `j` steps of TIMING_STEP (0: as is)."""
+    return dataclasses.replace(cost, prefill_s_per_token=cost.prefill_s_per_token * (1.0 + TIMING_STEP * j))
+
+
+def _replay(policy_name: str, sessions: Sequence[Session], cfg: EngineConfig, policy_cfg: PolicyConfig,
+            prompt_keys: PromptKeys, labelled: bool, progress: Progress | None, label: str) -> dict:
+    """One policy's replay: its summary, the bound on its own run, and how well it inferred agents
+    and sessions (where the trace labels them)."""
+    calls = sum(len(s.calls) for s in sessions)
+    policy = make_policy(policy_name, policy_cfg, sessions)
+    t0 = time.perf_counter()
+    engine = Engine(cfg, policy, prompt_keys).record()
+    summary = engine.run(sessions, _ticker(progress, label) if progress else None).summary()
+    summary["replay_wall_s"] = time.perf_counter() - t0
+    summary["replay_calls_per_s"] = calls / summary["replay_wall_s"]
+    if progress:
+        progress(f"{label}: the bound on its run")
+    # The best any eviction order could have hit on this run's own calls (bound.py).
+    summary["run_bound_gpu_hit_rate"] = (belady_hits(cast(list, engine.log), cfg.gpu_blocks, cfg.block_size)
+                                         / summary["prompt_tokens"] if summary["prompt_tokens"] else 0.0)
+    engine.log = None
+    observations = getattr(policy, "observations", None)
+    if observations is not None and labelled:
+        summary.update(inference_accuracy(observations, warmup=min(200, calls // 10)))
+    return summary
+
+
+def _mean_of(runs: Sequence[dict]) -> dict:
+    """One policy's figures over its timings: numbers averaged (a figure some timing lacks, over
+    those that have it), the rest as the first timing gave them; each timing's hit rate kept."""
+    out = dict(runs[0])
+    if len(runs) == 1:
+        return out
+    for k, v in out.items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool) or v is None:
+            got = [r[k] for r in runs if isinstance(r.get(k), (int, float)) and not isinstance(r.get(k), bool)]
+            if got and any(g != got[0] for g in got):
+                out[k] = statistics.fmean(got)
+            elif got:
+                out[k] = got[0]
+    out["token_hit_rate_by_timing"] = [r["token_hit_rate"] for r in runs]
+    return out
 
 
 def fast_twin(policy: str, sessions: Sequence[Session], tiered: bool) -> str:
@@ -319,12 +384,19 @@ def format_table(report: dict) -> str:
             f"unbounded cache {report['unbounded_cache_hit_rate']:.3f}")
     if "trace" in report and report["trace"]["skipped"]:
         head += f"\n  ({report['trace']['skip_summary']})"
-    cols = ("policy", "hit", "prefill tok", "TTFT mean", "TTFT p99", "vs LRU", "gap closed", "load@TTFT",
-            "agents", "sessions", "next-agent")
+    paired = report.get("timings", 1) > 1 and report.get("lru_spread") is not None
+    if report.get("timings", 1) > 1:
+        head += (f"\n  means over {report['timings']} timings (prefill cost +0.1% apart)"
+                 + (f"; LRU's hit rate moves by {100 * report['lru_spread']:.2f} points (sd) across them alone, "
+                    "'hit vs LRU': on the same timings, +- its standard error" if paired else ""))
+    cols = ("policy", "hit", *(("hit vs LRU",) if paired else ()), "prefill tok", "TTFT mean", "TTFT p99",
+            "vs LRU", "gap closed", "load@TTFT", "agents", "sessions", "next-agent")
     rows = [cols]
     for r in report["results"]:
         rows.append((
-            r["policy"], f"{r['token_hit_rate']:.3f}", f"{r['prefill_tokens']:,}", f"{r['ttft_mean_ms']:.0f} ms",
+            r["policy"], f"{r['token_hit_rate']:.3f}",
+            *((f"{100 * r['hit_vs_lru']:+.2f} ±{100 * r['hit_vs_lru_se']:.2f} pt",) if paired else ()),
+            f"{r['prefill_tokens']:,.0f}", f"{r['ttft_mean_ms']:.0f} ms",
             f"{r['ttft_p99_ms']:.0f} ms", f"{r.get('ttft_mean_vs_lru', 0.0):+.0%}",
             f"{r['gap_closed']:.0%}" if "gap_closed" in r else "-",
             _load_cell(r),
