@@ -86,6 +86,9 @@ def _bench(args: argparse.Namespace) -> int:
     from .workloads import FAMILIES
 
     families = [f for f in args.workloads.split(",") if f]
+    if args.timings > 1 and args.engine != "fast":
+        raise InputError(f"--timings {args.timings}: only the fast replay (--engine fast) repeats a run under "
+                         f"several timings; --engine {args.engine} replays one")
     if args.engine == "serve":
         return _serve(args, families)
     if args.sessions is None:

@@ -390,8 +390,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="bench/real_traffic.py's --json output, as the real-traffic section (repeatable: "
                          "GPU only, then with tiers); without it the section already in --out is kept")
     ap.add_argument("--traces", default=None, metavar="ROOT",
-                    help="with --real-traffic: also replay the recorded traces (TRACE_RUNS, paths relative to "
-                         "ROOT, the project root) into that section (about 10 more minutes)")
+                    help="also replay the recorded traces (TRACE_RUNS, paths relative to ROOT, the project root) "
+                         "into the real-traffic section (about 20 more minutes); with --sections-only and no "
+                         "--real-traffic, only their tables are replaced")
     ap.add_argument("--real-engine", default=None, metavar="JSON",
                     help="`cachescout bench --engine serve`'s --json output, as the real-server section")
     ap.add_argument("--real-engine-sessions", type=int, default=30, help="the sessions that run used (for the text)")
@@ -416,6 +417,15 @@ def main(argv: list[str] | None = None) -> int:
         if real:
             traces = trace_runs(args.traces) if args.traces else ""
             splice(args.out, REAL_TITLE, "\n".join(real) + ("\n" + traces if traces else ""))
+        elif args.traces:
+            # The matrices as they are (their own, longer runs), the recorded traces' tables anew.
+            kept = kept_sections(args.out, (REAL_TITLE,)).get(REAL_TITLE)
+            first = TRACE_RUN_TEXT[TRACE_RUNS[0][0]]
+            if kept is None or first not in kept:
+                ap.error(f"--traces without --real-traffic: {args.out} has no '{REAL_TITLE}' section with "
+                         "the traces' tables to replace")
+            matrices = kept[len(f"## {REAL_TITLE}\n\n"):kept.index(first)]
+            splice(args.out, REAL_TITLE, matrices + trace_runs(args.traces))
         if engine:
             splice(args.out, ENGINE_TITLE, engine)
         print(f"wrote {args.out}", file=sys.stderr)

@@ -66,6 +66,8 @@ def test_a_fresh_process_on_another_build_is_refused(tmp_path, monkeypatch, caps
     (["--engine", "serve", "--serve-configs", "prefix,bogus"], "--serve-configs: unknown bogus"),
     (["--engine", "serve", "--serve-target", "1.5"], "--serve-target: '1.5' is not a finite number > 0"),
     (["--cpu-ratio", "inf"], "--cpu-ratio: 'inf' is not a finite number"),
+    (["--engine", "vllm", "--timings", "3"], "--timings 3: only the fast replay"),
+    (["--timings", "-1"], "--timings"),
     (["--rate", "nan"], "--rate: 'nan' is not a finite number"),
     (["--sessions", "1e400"], "--sessions: '1e400' is not an integer"),
     (["--gpu-blocks", "9" * 40], "--gpu-blocks"),

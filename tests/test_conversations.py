@@ -129,3 +129,40 @@ def test_malformed_calls_and_files_are_counted_with_their_reason_and_the_rest_ke
 def test_a_folder_without_conversations_says_so(tmp_path):
     with pytest.raises(TraceError, match="no conversation files"):
         load_trace(tmp_path)
+
+
+def test_a_closed_loop_trace_is_reported_over_several_timings_each_policy_against_lru_on_the_same_ones():
+    # One timing of a closed loop is chaos: a prefill 0.1% slower reorders later calls. The table
+    # gives the means over CLOSED_LOOP_TIMINGS timings and each policy's paired difference to LRU.
+    import statistics
+
+    from cachescout.bench.run import CLOSED_LOOP_TIMINGS, BenchOptions, format_table, run_trace
+
+    opts = BenchOptions(trace=str(DATA), trace_options=TraceOptions(conversations=9), policies=("lru", "cachescout"),
+                        gpu_blocks=3000, sweeps=False)
+    report = run_trace(opts)
+    assert report["timings"] == CLOSED_LOOP_TIMINGS > 1
+    assert report["lru_spread"] > 0    # the timings do differ here
+    by = {r["policy"]: r for r in report["results"]}
+    for r in by.values():
+        runs = r["token_hit_rate_by_timing"]
+        assert len(runs) == CLOSED_LOOP_TIMINGS
+        assert r["token_hit_rate"] == pytest.approx(statistics.fmean(runs))
+        assert r["gpu_token_hit_rate"] <= report["bound_gpu_hit_rate"] + 1e-12
+    d = [a - b for a, b in zip(by["cachescout"]["token_hit_rate_by_timing"], by["lru"]["token_hit_rate_by_timing"])]
+    assert by["cachescout"]["hit_vs_lru"] == pytest.approx(statistics.fmean(d))
+    assert report["lru_spread"] == pytest.approx(statistics.stdev(by["lru"]["token_hit_rate_by_timing"]))
+    assert "hit vs LRU" in format_table(report) and f"means over {CLOSED_LOOP_TIMINGS} timings" in format_table(report)
+    # The first timing is the replay as it is: one timing alone gives its figures.
+    single = run_trace(BenchOptions(trace=str(DATA), trace_options=TraceOptions(conversations=9),
+                                    policies=("lru",), gpu_blocks=3000, sweeps=False, timings=1))
+    assert single["timings"] == 1 and "hit vs LRU" not in format_table(single)
+    assert single["results"][0]["token_hit_rate"] == by["lru"]["token_hit_rate_by_timing"][0]
+
+
+def test_an_open_loop_trace_is_one_timing():
+    from cachescout.bench.run import BenchOptions, run_trace
+
+    report = run_trace(BenchOptions(trace=str(DATA), trace_options=TraceOptions(conversations=2, loop="open"),
+                                    policies=("lru",), gpu_blocks=3000, sweeps=False))
+    assert report["timings"] == 1 and report["lru_spread"] is None
