@@ -149,7 +149,8 @@ def test_a_closed_loop_trace_is_reported_over_several_timings_each_policy_agains
         assert len(runs) == CLOSED_LOOP_TIMINGS
         assert r["token_hit_rate"] == pytest.approx(statistics.fmean(runs))
         assert r["gpu_token_hit_rate"] <= report["bound_gpu_hit_rate"] + 1e-12
-    d = [a - b for a, b in zip(by["cachescout"]["token_hit_rate_by_timing"], by["lru"]["token_hit_rate_by_timing"])]
+    d = [a - b for a, b in zip(by["cachescout"]["token_hit_rate_by_timing"], by["lru"]["token_hit_rate_by_timing"],
+                               strict=True)]
     assert by["cachescout"]["hit_vs_lru"] == pytest.approx(statistics.fmean(d))
     assert report["lru_spread"] == pytest.approx(statistics.stdev(by["lru"]["token_hit_rate_by_timing"]))
     assert "hit vs LRU" in format_table(report) and f"means over {CLOSED_LOOP_TIMINGS} timings" in format_table(report)
