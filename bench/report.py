@@ -419,12 +419,12 @@ def main(argv: list[str] | None = None) -> int:
             splice(args.out, REAL_TITLE, "\n".join(real) + ("\n" + traces if traces else ""))
         elif args.traces:
             # The matrices as they are (their own, longer runs), the recorded traces' tables anew.
-            kept = kept_sections(args.out, (REAL_TITLE,)).get(REAL_TITLE)
+            section = kept_sections(args.out, (REAL_TITLE,)).get(REAL_TITLE)
             first = TRACE_RUN_TEXT[TRACE_RUNS[0][0]]
-            if kept is None or first not in kept:
+            if section is None or first not in section:
                 ap.error(f"--traces without --real-traffic: {args.out} has no '{REAL_TITLE}' section with "
                          "the traces' tables to replace")
-            matrices = kept[len(f"## {REAL_TITLE}\n\n"):kept.index(first)]
+            matrices = section[len(f"## {REAL_TITLE}\n\n"):section.index(first)]
             splice(args.out, REAL_TITLE, matrices + trace_runs(args.traces))
         if engine:
             splice(args.out, ENGINE_TITLE, engine)
