@@ -395,7 +395,8 @@ def format_table(report: dict) -> str:
     for r in report["results"]:
         rows.append((
             r["policy"], f"{r['token_hit_rate']:.3f}",
-            *((f"{100 * r['hit_vs_lru']:+.2f} ±{100 * r['hit_vs_lru_se']:.2f} pt",) if paired else ()),
+            *(("-" if r["policy"] == "lru" else f"{100 * r['hit_vs_lru']:+.2f} ±{100 * r['hit_vs_lru_se']:.2f} pt",)
+              if paired else ()),
             f"{r['prefill_tokens']:,.0f}", f"{r['ttft_mean_ms']:.0f} ms",
             f"{r['ttft_p99_ms']:.0f} ms", f"{r.get('ttft_mean_vs_lru', 0.0):+.0%}",
             f"{r['gap_closed']:.0%}" if "gap_closed" in r else "-",
