@@ -216,7 +216,7 @@ class CacheScoutPolicy:
                 self.stats["predictions"] += 1
                 self.stats["predictions_correct"] += predicted == agent
                 learner.update(src, agent)
-        self._fingerprints.set_owner(fp.leaf, s.sid)
+        self._fingerprints.set_owner(fp.leaf, s.sid, fp.continues)
         if agent is not None and fp.agent is not None:
             traffic.anchor_in_use(agent, fp.anchor_node)
             s.anchor_nodes[agent] = fp.anchor_node

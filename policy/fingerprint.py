@@ -67,20 +67,21 @@ _ANOTHER = object()        # `_one_session`: the request at hand, continuing no 
 _UNSEEN = object()         # ... the request at hand not counted
 
 
-def _one_session(p: _Node, current: object = _UNSEEN) -> bool:
-    """Whether every request known to have gone through `p` came from one session: the sessions
-    that went through it later (`via`), and those whose prompts ended below it (a look at the
-    first nodes under it), and the request at hand if given: `current` is the session it continues,
-    None when it continues none (then it is another session). False with no evidence at all."""
+def _one_session(p: _Node, lineage: dict, current: object = _UNSEEN) -> bool:
+    """Whether every request known to have gone through `p` came from one conversation: the
+    sessions that went through it later (`via`), and those whose prompts ended below it (a look at
+    the first nodes under it), and the request at hand if given: `current` is the session it
+    continues, None when it continues none (then it is another session). Sessions count as the
+    conversation they resumed (`lineage`, see `set_owner`). False with no evidence at all."""
     seen: set = set(p.via) if p.via is not None else set()
     if current is _UNSEEN:
         pass
     elif current is None:
         seen.add(_ANOTHER)
     elif isinstance(current, _Shared):
-        seen.update(current.members)
+        seen.update(lineage.get(m, m) for m in current.members)
     else:
-        seen.add(current)
+        seen.add(lineage.get(current, current))
     if len(seen) >= 2:
         return False
     todo = [p]
@@ -90,9 +91,9 @@ def _one_session(p: _Node, current: object = _UNSEEN) -> bool:
         looked += 1
         owner = node.end_owner
         if isinstance(owner, _Shared):
-            seen.update(owner.members)
+            seen.update(lineage.get(m, m) for m in owner.members)
         elif owner is not None:
-            seen.add(owner)
+            seen.add(lineage.get(owner, owner))
         if len(seen) >= 2:
             return False
         if node.children:
@@ -210,6 +211,11 @@ class AgentFingerprinter:
         self._active_window = max(64, int(cfg.fingerprint_half_life // 4))
         self._pending: OrderedDict[int, list[tuple[_Node, int]]] = OrderedDict()  # leaf -> (prefix, child)
         self._repeats: OrderedDict[int, bool] = OrderedDict()  # handles of prompts seen before
+        # A session whose first prompt continues another session's (a conversation that came back
+        # after its session expired) -> the session that conversation began as. One conversation's
+        # own branch points are its context, however many sessions it was split into.
+        self._lineage: OrderedDict[Hashable, Hashable] = OrderedDict()
+        self._max_lineage = cfg.max_fingerprint_leaves
         self._sweep_every = 256
 
     # -- public -------------------------------------------------------------------------------
@@ -342,14 +348,21 @@ class AgentFingerprinter:
         self._age_out()
         return fp
 
-    def set_owner(self, leaf: int, session: Hashable) -> None:
-        """Record which session the prompt of `observe(...).leaf` belongs to.
+    def set_owner(self, leaf: int, session: Hashable, continued: Hashable | None = None) -> None:
+        """Record which session the prompt of `observe(...).leaf` belongs to; `continued`: the
+        session whose prompt it continued (`Fingerprint.continues`), if another one (the
+        conversation came back after that session expired: the same conversation).
 
         Also notes, at each shared prefix on its path, which shared prefix below it the session
         took: sessions that cross between the children of a prefix mark it as a preamble (agents
         under a framework header); sessions that always take the same child mark task text that
         several sessions repeat under one agent.
         """
+        lineage = self._lineage
+        if continued is not None and continued != session and session not in lineage:
+            lineage[session] = lineage.get(continued, continued)
+            if len(lineage) > self._max_lineage:
+                lineage.popitem(last=False)
         node = self._nodes.get(leaf)
         repeat = self._repeats.pop(leaf, False)
         if node is not None:
@@ -362,17 +375,18 @@ class AgentFingerprinter:
                 node.end_owner = _Shared(members)
             else:
                 node.end_owner = session
+        conversation = lineage.get(session, session)
         for parent, child in self._pending.pop(leaf, ()):
             via = parent.via
             if via is None:
                 via = parent.via = OrderedDict()
-            seen = via.get(session)
+            seen = via.get(conversation)
             if seen is None:
-                via[session] = child
+                via[conversation] = child
                 if len(via) > _VIA_SESSIONS:
                     via.popitem(last=False)
             elif seen != child and seen is not _CROSSED:
-                via[session] = _CROSSED
+                via[conversation] = _CROSSED
                 parent.pre_at = -1
 
     def agent(self, agent_id: str) -> AgentRecord | None:
@@ -396,7 +410,8 @@ class AgentFingerprinter:
         # An anchor is text that several sessions start with: a branch point made by one session's
         # own calls (a conversation that rewrote its tail) is that session's context.
         current = previous if previous is not None else (near[0] if near is not None else None)
-        below = [p for p in shared[pre_i + 1:] if not _one_session(p, current)]
+        lineage = self._lineage
+        below = [p for p in shared[pre_i + 1:] if not _one_session(p, lineage, current)]
         shared_end = shared[-1].end if shared else 0
         anchor: _Node | None = None
         if below:
@@ -451,11 +466,10 @@ class AgentFingerprinter:
         p.pre_val = val
         return val
 
-    @staticmethod
-    def _sessions_cross(p: _Node, kids: set[_Node]) -> bool:
+    def _sessions_cross(self, p: _Node, kids: set[_Node]) -> bool:
         """Do sessions move between the shared prefixes below `p` (then it is a preamble)?"""
         via = p.via
-        if _one_session(p):
+        if _one_session(p, self._lineage):
             return False    # one session's own branches (its rewritten tails), not a header of agents
         if via:
             crossed = sum(1 for v in via.values() if v is _CROSSED)

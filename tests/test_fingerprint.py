@@ -152,3 +152,24 @@ def test_many_agents_under_one_header_are_told_apart():
     assert len({lab for lab, _ in top.values()}) == 40 and None not in {lab for lab, _ in top.values()}
     accuracy = sum(n for _, n in top.values()) / sum(sum(c.values()) for c in by_agent.values())
     assert accuracy > 0.98
+
+
+def test_one_conversation_split_into_sessions_never_becomes_an_agent():
+    # A long conversation whose session expires between bursts of calls comes back as new
+    # sessions, each prompt extending the last and rewriting its final block (a reminder that the
+    # next call drops). Its own branch points are its context, not an agent's anchor shared by
+    # several sessions: were they, the whole conversation would be scored as an anchor.
+    fp = AgentFingerprinter(PolicyConfig())
+    history = [("conv", i) for i in range(40)]
+    session = "c0"
+    agents = []
+    for call in range(60):
+        if call % 6 == 0 and call:
+            session = f"c{call}"   # the tracker expired the last session: a new one
+        f = fp.observe(chain(history + [("reminder", call)]))
+        if call:
+            assert f.continues is not None   # it does continue the previous prompt
+        fp.set_owner(f.leaf, session, f.continues)
+        agents.append((f.agent, f.anchor_blocks))
+        history += [("turn", call, i) for i in range(3)]
+    assert all(a is None for a, _ in agents), agents
