@@ -226,6 +226,9 @@ def test_ranking_rejects_bad_values():
 
 def test_close_never_hangs_the_process(tmp_path):
     """LMCache's destroy() hangs with a redis:// tier; close_engine() returns and the process exits."""
+    from conftest import need_redis
+
+    need_redis()   # the child process starts a redis-server of its own
     code = f"""
 import sys, time
 sys.path.insert(0, {os.path.dirname(__file__)!r})
