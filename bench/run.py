@@ -388,7 +388,7 @@ def format_table(report: dict) -> str:
     if report.get("timings", 1) > 1:
         head += (f"\n  means over {report['timings']} timings (prefill cost +0.1% apart)"
                  + (f"; LRU's hit rate moves by {100 * report['lru_spread']:.2f} points (sd) across them alone, "
-                    "'hit vs LRU': on the same timings, +- its standard error" if paired else ""))
+                    "'hit vs LRU': on the same timings, ± its standard error" if paired else ""))
     cols = ("policy", "hit", *(("hit vs LRU",) if paired else ()), "prefill tok", "TTFT mean", "TTFT p99",
             "vs LRU", "gap closed", "load@TTFT", "agents", "sessions", "next-agent")
     rows = [cols]
