@@ -365,6 +365,22 @@ def splice(path: str, title: str, body: str, before: str = "## Reading the figur
         fh.write(text)
 
 
+def _real_traffic_parts(path: str) -> tuple[str | None, str]:
+    """The real-traffic section of `path` as (the matrices, the recorded traces' tables), without
+    its heading and its measured-on line; (None, "") when it has no such section."""
+    section = kept_sections(path, (REAL_TITLE,)).get(REAL_TITLE)
+    if section is None:
+        return None, ""
+    body = section[len(f"## {REAL_TITLE}\n\n"):].rstrip()
+    if body.rsplit("\n", 1)[-1].startswith("Measured "):
+        body = body.rsplit("\n", 1)[0].rstrip()
+    first = TRACE_RUN_TEXT[TRACE_RUNS[0][0]]
+    if first not in body:
+        return body + "\n", ""
+    i = body.index(first)
+    return body[:i], body[i:] + "\n"
+
+
 def kept_sections(path: str, titles: tuple[str, ...]) -> dict[str, str]:
     """Sections of an existing results.md this run does not regenerate (their own, longer runs)."""
     try:
@@ -391,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
                          "GPU only, then with tiers); without it the section already in --out is kept")
     ap.add_argument("--traces", default=None, metavar="ROOT",
                     help="also replay the recorded traces (TRACE_RUNS, paths relative to ROOT, the project root) "
-                         "into the real-traffic section (about 20 more minutes); with --sections-only and no "
+                         "into the real-traffic section (about 15 more minutes); with --sections-only and no "
                          "--real-traffic, only their tables are replaced")
     ap.add_argument("--real-engine", default=None, metavar="JSON",
                     help="`cachescout bench --engine serve`'s --json output, as the real-server section")
@@ -414,20 +430,19 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError, KeyError) as e:
             ap.error(f"--real-engine {args.real_engine}: not a serve JSON report ({e})")
     if args.sections_only:
-        if real:
-            traces = trace_runs(args.traces) if args.traces else ""
-            splice(args.out, REAL_TITLE, "\n".join(real) + ("\n" + traces if traces else ""))
-        elif args.traces:
-            # The matrices as they are (their own, longer runs), the recorded traces' tables anew.
-            section = kept_sections(args.out, (REAL_TITLE,)).get(REAL_TITLE)
-            first = TRACE_RUN_TEXT[TRACE_RUNS[0][0]]
-            if section is None or first not in section:
-                ap.error(f"--traces without --real-traffic: {args.out} has no '{REAL_TITLE}' section with "
-                         "the traces' tables to replace")
-            matrices = section[len(f"## {REAL_TITLE}\n\n"):section.index(first)]
-            splice(args.out, REAL_TITLE, matrices + trace_runs(args.traces))
+        # The rest of the file keeps its own date: each section rewritten here says when and where.
+        stamp = f"\n\nMeasured {datetime.date.today().isoformat()} on {machine()}.\n"
+        if real or args.traces:
+            # Each part of the real-traffic section given anew replaces its old text; the other
+            # part (the matrices, or the recorded traces' tables: their own, longer runs) is kept.
+            old_matrices, old_traces = _real_traffic_parts(args.out)
+            matrices = "\n".join(real) + "\n" if real else old_matrices
+            if matrices is None:
+                ap.error(f"--traces without --real-traffic: {args.out} has no '{REAL_TITLE}' section to keep")
+            traces = trace_runs(args.traces) if args.traces else old_traces
+            splice(args.out, REAL_TITLE, (matrices + traces).rstrip() + stamp)
         if engine:
-            splice(args.out, ENGINE_TITLE, engine)
+            splice(args.out, ENGINE_TITLE, engine.rstrip() + stamp)
         print(f"wrote {args.out}", file=sys.stderr)
         return 0
     kept = kept_sections(args.out, (REAL_TITLE, ENGINE_TITLE))

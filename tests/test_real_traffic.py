@@ -36,6 +36,22 @@ def test_a_small_matrix_reports_every_policy_against_lru_and_the_bound(tmp_path,
     first, second = real_traffic_section(report), real_traffic_section(report, intro=False)
     assert first.count("Recorded agentic coding traffic") == 1 and "Recorded agentic" not in second
     assert "--closed 4 --open 3" in second and "GPU tier only." in second
+    # Spliced into results.md alone: the recorded traces' tables (their own, longer runs) stay, and
+    # the section says when and where it was measured (the file's footer dates the rest).
+    import datetime
+
+    from cachescout.bench import report as results
+
+    doc = tmp_path / "results.md"
+    doc.write_text((Path(__file__).parents[1] / "docs" / "results.md").read_text())
+    _, traces = results._real_traffic_parts(str(doc))
+    assert results.TRACE_RUN_TEXT["claude-code"] in traces and "Measured" not in traces
+    assert results.main(["--out", str(doc), "--sections-only", "--real-traffic", str(out)]) == 0
+    matrices, kept = results._real_traffic_parts(str(doc))
+    assert "--closed 4 --open 3" in matrices and kept == traces
+    section = results.kept_sections(str(doc), (results.REAL_TITLE,))[results.REAL_TITLE]
+    assert section.rstrip().endswith(".") and f"Measured {datetime.date.today().isoformat()} on " in section
+    assert section.count("Measured ") == 1
 
 
 @pytest.mark.parametrize("flags, field", [
