@@ -200,14 +200,16 @@ FETCH_CHUNK_BYTES = 256 * 1024
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StoredBlob:
-    """One stored snapshot as read: `blob` is None when it was too large to fetch."""
+    """One stored snapshot as read: `blob` holds its bytes in the parts they were fetched in
+    (never joined: see read), () when nothing was flushed yet or the caller has it, and is None
+    when it was too large to fetch."""
 
     name: str      # replica name, or "<replica>#<gen>" for a departed one
     gen: int
     seq: int
     at_ms: int     # server time of the flush
     size: int
-    blob: bytes | None
+    blob: tuple[bytes, ...] | None
 
 
 @dataclasses.dataclass(slots=True)
@@ -312,10 +314,10 @@ class StateStore:
     # -- everyone's state ---------------------------------------------------------------------
     def read(self, *, skip: str | None = None, known: dict[str, tuple[int, int]] | None = None,
              tick: Callable[[], object] | None = None) -> StoreView:
-        """Everything stored, in two or three round trips. Blobs over the size limit are not fetched;
-        blobs whose (gen, seq) is in `known` are not fetched again (their `blob` is b"").
-        `tick` is called after each blob is put together (a background caller yields the
-        interpreter lock there: joining a 4 MiB blob's parts is a millisecond or two)."""
+        """Everything stored: two round trips, then one per FETCH_CHUNK_BYTES of blobs. Blobs over the
+        size limit are not fetched; blobs whose (gen, seq) is in `known` are not fetched again (their
+        `blob` is ()). `tick` is called after each round trip of blob parts (a background caller
+        yields the interpreter lock there)."""
         k = self.keys
         # One script, so the server's clock and the lists come from the same node and moment.
         now_ms, flat_meta, flat_reps, flat_deps, flat_wrong = self._head(
@@ -363,25 +365,30 @@ class StateStore:
             departed.append(StoredBlob(f, gen, 0, int(at), int(size), None))
             if 0 < int(size) <= self.max_blob_bytes and (known or {}).get(f) != (gen, 0):
                 want.append((f, k.departed(f), int(size)))
-        # One round trip for every blob wanted; one over FETCH_CHUNK_BYTES in parts (GETRANGE), each
-        # part its own reply, parsed apart from the others. A blob rewritten meanwhile comes out
+        # Fetched in round trips of at most FETCH_CHUNK_BYTES of replies (a blob over that in parts,
+        # with GETRANGE; small ones several to a trip), `tick` between trips, and kept in those parts:
+        # parsing replies and copying megabytes into fresh memory hold the interpreter lock, so
+        # neither happens in one step for more than a part. A blob rewritten meanwhile comes out
         # torn, and its checksum refuses it.
-        blobs: dict[str, bytes] = {}
-        if want:
+        parts = [(name, blob_key, first, min(FETCH_CHUNK_BYTES, size - first))
+                 for name, blob_key, size in want for first in range(0, size, FETCH_CHUNK_BYTES)]
+        got_parts: dict[str, list[Any]] = {}
+        while parts:
+            trip, batch = 0, 0
+            while batch < len(parts) and (batch == 0 or trip + parts[batch][3] <= FETCH_CHUNK_BYTES):
+                trip += parts[batch][3]
+                batch += 1
             p = self.r.pipeline(transaction=False)
-            for _, key, size in want:
-                for at in range(0, size, FETCH_CHUNK_BYTES):
-                    p.getrange(key, at, at + FETCH_CHUNK_BYTES - 1)
-            replies = iter(p.execute(raise_on_error=False))
-            for name, _, size in want:
-                parts = [next(replies) for _ in range(0, size, FETCH_CHUNK_BYTES)]
-                if all(isinstance(x, bytes) for x in parts):
-                    blobs[name] = b"".join(parts)
-                    if tick is not None:
-                        tick()
+            for _, part_key, first, length in parts[:batch]:
+                p.getrange(part_key, first, first + length - 1)
+            for (name, *_), reply in zip(parts[:batch], p.execute(raise_on_error=False), strict=True):
+                got_parts.setdefault(name, []).append(reply)
+            del parts[:batch]
+            if tick is not None:
+                tick()
+        blobs = {name: tuple(got) for name, got in got_parts.items() if all(isinstance(x, bytes) for x in got)}
         def filled(x: StoredBlob) -> StoredBlob:
-            # fetched bytes; b"" when nothing was flushed yet or the caller has it; None when too large
-            return dataclasses.replace(x, blob=blobs.get(x.name, b"" if x.size <= self.max_blob_bytes else None))
+            return dataclasses.replace(x, blob=blobs.get(x.name, () if x.size <= self.max_blob_bytes else None))
 
         return StoreView(int(now_ms), {_text(a): _text(b) for a, b in meta.items()},
                          [filled(x) for x in replicas], [filled(x) for x in departed], malformed, wrong)

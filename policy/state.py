@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
@@ -45,6 +45,7 @@ _FIELDS = frozenset({"kind", "schema", "half_life", "rows"})
 _CELLS, _LISTED, _ROW = 0, 1, 2  # where the list hook is within one value (see _Shapes)
 _CELLS_PER_PART = 2048           # transitions checked between two calls of `checkpoint`
 _ONLY_TUPLES = frozenset({tuple})
+_READ_BYTES = 64 * 1024          # body bytes the unpacker takes at a time (see _PartReader)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,25 +101,32 @@ class TransitionSnapshot:
         return body + zlib.crc32(body).to_bytes(_CRC_BYTES, "big")
 
     @classmethod
-    def decode(cls, data: bytes, checkpoint: Callable[[], object] | None = None) -> TransitionSnapshot:
-        """The snapshot in `data`, or StateDecodeError. `checkpoint` is called now and then while
-        decoding (a background caller yields the interpreter lock there)."""
-        if not isinstance(data, (bytes, bytearray, memoryview)):
+    def decode(cls, data: bytes | bytearray | memoryview | Sequence[bytes],
+               checkpoint: Callable[[], object] | None = None) -> TransitionSnapshot:
+        """The snapshot in `data` (bytes, or the parts a store fetched them in, in order), or
+        StateDecodeError. `checkpoint` is called now and then while decoding (a background caller
+        yields the interpreter lock there). The parts are never joined: copying megabytes into
+        fresh memory is one step of milliseconds that holds the lock."""
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            parts: list[bytes] = [bytes(data)]
+        elif isinstance(data, (list, tuple)) and all(isinstance(x, bytes) for x in data):
+            parts = [x for x in data if x]
+        else:
             raise StateDecodeError(f"state must be bytes, got {type(data).__name__}")
-        if len(data) > MAX_BLOB_BYTES:
-            raise StateDecodeError(f"state is {len(data)} bytes, over the limit of {MAX_BLOB_BYTES}")
-        data = bytes(data)
-        if len(data) <= _CRC_BYTES:
-            raise StateDecodeError(f"state is {len(data)} bytes, too short to be a snapshot")
-        body = memoryview(data)[:-_CRC_BYTES]   # not a copy: 4 MiB copied holds the lock ~1 ms
-        if zlib.crc32(body) != int.from_bytes(data[-_CRC_BYTES:], "big"):
+        size = sum(len(x) for x in parts)
+        if size > MAX_BLOB_BYTES:
+            raise StateDecodeError(f"state is {size} bytes, over the limit of {MAX_BLOB_BYTES}")
+        if size <= _CRC_BYTES:
+            raise StateDecodeError(f"state is {size} bytes, too short to be a snapshot")
+        reader = _PartReader(parts, size - _CRC_BYTES, checkpoint)
+        if reader.crc() != int.from_bytes(reader.trailer(), "big"):
             raise StateDecodeError("state checksum does not match (corrupted in storage or transit, or not "
                                    f"a schema {SCHEMA_VERSION} snapshot)")
         rows: dict[str, _Cells] = {}
         if checkpoint is not None:
             checkpoint()
         try:
-            header = _read(body, rows, checkpoint)
+            header = _read(reader, rows, checkpoint)
         except BaseException:
             _release(rows, checkpoint)
             raise
@@ -140,16 +148,63 @@ class TransitionSnapshot:
         return cls(float(half_life), rows)
 
 
-def _read(body: memoryview, rows: dict[str, _Cells], checkpoint: Callable[[], object] | None) -> dict[str, Any]:
+class _PartReader:
+    """The snapshot's body (its bytes less the checksum) across the parts it was fetched in, read
+    by the unpacker `_READ_BYTES` at a time, with `checkpoint` called between reads."""
+
+    __slots__ = ("parts", "length", "checkpoint", "_part", "_at", "_done")
+
+    def __init__(self, parts: list[bytes], length: int, checkpoint: Callable[[], object] | None) -> None:
+        self.parts, self.length, self.checkpoint = parts, length, checkpoint
+        self._part = self._at = self._done = 0
+
+    def crc(self) -> int:
+        """CRC-32 of the body, a part at a time (zlib releases the interpreter lock on large parts)."""
+        crc, left = 0, self.length
+        for part in self.parts:
+            if left <= 0:
+                break
+            crc = zlib.crc32(memoryview(part)[:left], crc)
+            left -= len(part)
+            if self.checkpoint is not None:
+                self.checkpoint()
+        return crc
+
+    def trailer(self) -> bytes:
+        tail, need = b"", _CRC_BYTES
+        for part in reversed(self.parts):
+            tail = part[-need:] + tail
+            need = _CRC_BYTES - len(tail)
+            if need == 0:
+                return tail
+        return tail
+
+    def read(self, n: int) -> bytes:
+        if self.checkpoint is not None:
+            self.checkpoint()
+        n = min(n, self.length - self._done)
+        if n <= 0:
+            return b""
+        part = self.parts[self._part]
+        out = part[self._at:self._at + n]
+        self._at += len(out)
+        self._done += len(out)
+        if self._at == len(part):
+            self._part, self._at = self._part + 1, 0
+        return out
+
+
+def _read(body: _PartReader, rows: dict[str, _Cells], checkpoint: Callable[[], object] | None) -> dict[str, Any]:
     """The header fields of `body`; its rows into `rows`, one at a time."""
     shapes = _Shapes(checkpoint)
     # The limits bound what the unpacker may allocate, whatever the bytes claim; the hooks refuse
     # each array or map that is not part of a snapshot as soon as it is built; rows are unpacked
-    # one by one, so no single step builds (or frees) more than one row.
-    u = msgpack.Unpacker(raw=False, strict_map_key=True, use_list=True, list_hook=shapes.array,
-                         object_pairs_hook=shapes.map, max_buffer_size=len(body), max_str_len=MAX_AGENT_NAME * 4,
+    # one by one, so no single step builds (or frees) more than one row. The unpacker pulls the
+    # body from the reader as it goes (its buffer stays near `_READ_BYTES`; an object may span reads).
+    u = msgpack.Unpacker(body, read_size=_READ_BYTES, raw=False, strict_map_key=True, use_list=True,
+                         list_hook=shapes.array, object_pairs_hook=shapes.map,
+                         max_buffer_size=max(_READ_BYTES, body.length), max_str_len=MAX_AGENT_NAME * 4,
                          max_bin_len=0, max_ext_len=0, max_array_len=MAX_ROW_CELLS, max_map_len=len(_FIELDS))
-    u.feed(body)
     header: dict[str, Any] = {}
     try:
         n = u.read_map_header()
@@ -183,8 +238,8 @@ def _read(body: memoryview, rows: dict[str, _Cells], checkpoint: Callable[[], ob
                 rows[row[0]] = row[1]
                 if checkpoint is not None:
                     checkpoint()
-        if u.tell() != len(body):
-            raise StateDecodeError(f"state has {len(body) - u.tell()} bytes after the snapshot")
+        if u.tell() != body.length:
+            raise StateDecodeError(f"state has {body.length - u.tell()} bytes after the snapshot")
     except StateDecodeError:
         raise
     except (ValueError, TypeError, msgpack.UnpackException, RecursionError) as exc:

@@ -72,9 +72,11 @@ def _every_store_operation(client) -> None:
     assert store.ensure_meta(1.0, "d", "e1")[0] == "created"
     big = bytes(range(256)) * (3 * FETCH_CHUNK_BYTES // 256 + 7)
     assert store.register("r", "e1", 60_000) == ("ok", 1) and store.flush("r", "e1", 1, 1, big, 60_000)[0] == "ok"
-    assert [b.blob for b in store.read().replicas] == [big]
+    parts = store.read().replicas[0].blob
+    assert parts is not None and len(parts) == 4 and max(map(len, parts)) == FETCH_CHUNK_BYTES
+    assert b"".join(parts) == big
     assert store.register("r", "e1", 60_000) == ("ok", 2)
-    assert [(b.name, b.blob) for b in store.read().departed] == [("r#1", big)]
+    assert [(b.name, b"".join(b.blob or ())) for b in store.read().departed] == [("r#1", big)]
     assert store.fold("r", 2, 0) == "folded" and store.read().replicas == []
     assert store.prune_departed(int(time.time() * 1000) + 60_000) == 1 and store.read().departed == []
 

@@ -139,6 +139,41 @@ def test_nested_rows_and_lists_are_refused_at_the_second_not_after_the_array():
         assert peak < 2 * len(blob), (name, peak)   # the bytes, the unpacker's arrays, next to nothing built
 
 
+def test_a_blob_in_parts_is_decoded_without_joining_them():
+    # Joining a 4 MiB blob's parts, and the unpacker's copy of it, were steps of milliseconds with
+    # the interpreter lock held (copies into fresh memory). The parts go to the unpacker a read at a
+    # time instead: nothing near the blob's size is ever allocated while decoding.
+    learner = TransitionLearner(200)
+    for i in range(2000):
+        learner.update("a" * 200 + str(i), "b" * 200 + str(i))
+    blob = TransitionSnapshot.of(learner).encode()
+    part = 128 * 1024
+    parts = tuple(blob[i:i + part] for i in range(0, len(blob), part))
+    assert len(blob) > 800_000 and len(parts) > 6
+    largest, calls = [], [0]
+
+    def checkpoint():
+        calls[0] += 1
+        if calls[0] % 50 == 0:
+            largest.append(max((t.size for t in tracemalloc.take_snapshot().traces), default=0))
+
+    tracemalloc.start()
+    try:
+        snap = TransitionSnapshot.decode(parts, checkpoint)
+    finally:
+        tracemalloc.stop()
+    assert snap == TransitionSnapshot.decode(blob)
+    assert len(largest) > 10 and max(largest) < 2 * part, max(largest)
+    # Split anywhere, even inside the checksum, a blob decodes the same; a torn one is refused.
+    cuts = sorted({*random.Random(1).sample(range(1, len(blob)), 40), len(blob) - 2})
+    pieces = tuple(blob[a:b] for a, b in zip([0, *cuts], [*cuts, len(blob)], strict=True))
+    assert TransitionSnapshot.decode(pieces) == snap
+    with pytest.raises(StateDecodeError, match="checksum"):
+        TransitionSnapshot.decode(parts[:-2] + parts[-1:])
+    with pytest.raises(StateDecodeError, match="must be bytes"):
+        TransitionSnapshot.decode([blob, 3])
+
+
 def test_decoding_calls_the_checkpoint_so_a_caller_can_yield():
     calls = []
     learner = TransitionLearner(200)
