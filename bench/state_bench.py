@@ -13,7 +13,10 @@
 3. hostile: N entries of 4 MiB each in Redis, in the shapes that expand most when decoded, rewritten
    between rounds so that every round must fetch and decode them again; a thread standing in for
    vLLM's scheduler (1 ms of GIL-free "forward pass", then a little Python) measures its step times
-   while the replica's background thread runs its rounds.
+   while the replica's background thread runs its rounds. Twice where the machine has two CPUs or
+   more and the benchmark starts its own redis-server: with Redis, the writer and the replica sharing
+   every core ("shared"), and with the replica on CPU 0 and Redis and the writer on the others
+   ("apart", as where Redis runs on a host of its own).
 
 Without --redis-url a private redis-server is started on a free loopback port (and stopped).
 """
@@ -52,7 +55,8 @@ from .workloads import WorkloadSpec, generate
 
 
 @contextlib.contextmanager
-def private_redis() -> Iterator[str]:
+def private_redis(cpus: set[int] | None = None) -> Iterator[str]:
+    """A redis-server of its own on a free loopback port; on `cpus` when given."""
     if shutil.which("redis-server") is None:
         raise ExternalError("redis-server is not installed; give --redis-url")
     with socket.socket() as s:
@@ -61,6 +65,8 @@ def private_redis() -> Iterator[str]:
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
+        if cpus:
+            os.sched_setaffinity(proc.pid, cpus)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -125,27 +131,41 @@ def hostile_blobs(size: int) -> dict[str, bytes]:
 
 
 def hostile(url: str, entries: int = 8, size: int = 4 * 1024 * 1024, seconds: float = 4.0,
-            pacer: bool = True) -> list[dict]:
+            pacer: bool = True, apart: bool = False) -> list[dict]:
     """Per shape: the scheduler stand-in's step times (ms) while `entries` hostile entries are in
     Redis, rewritten (new seq) before every round by another process. Two baselines: no entries,
     and "decoys": the same writes, of the first shape, under keys this replica never reads (what
-    the machine alone does to the stand-in while Redis and the writer are busy)."""
+    the machine alone does to the stand-in while Redis and the writer are busy). `apart`: this
+    process on CPU 0 and the writer on the others (the caller puts Redis there)."""
     blobs = hostile_blobs(size)
     runs = [("none", b"", 0, False), ("decoys", next(iter(blobs.values())), entries, True),
             *((shape, blob, entries, False) for shape, blob in blobs.items())]
-    with _Attacker(url) as attacker:
-        return [_hostile_run(attacker, url, f"hostile-{i}", shape, blob, n, seconds, pacer, decoy)
-                for i, (shape, blob, n, decoy) in enumerate(runs)]
+    mine = os.sched_getaffinity(0)
+    others = set(range(os.cpu_count() or 1)) - {0} if apart else None
+    try:
+        if apart:
+            os.sched_setaffinity(0, {0})
+        with _Attacker(url, others) as attacker:
+            return [{**_hostile_run(attacker, url, f"hostile-{i}", shape, blob, n, seconds, pacer, decoy),
+                     "cores": "apart" if apart else "shared"}
+                    for i, (shape, blob, n, decoy) in enumerate(runs)]
+    finally:
+        os.sched_setaffinity(0, mine)
+
+
+def can_run_apart() -> bool:
+    """Whether this machine can put the replica on a core of its own (Linux, two CPUs or more)."""
+    return hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
 
 
 class _Attacker:
     """Another process with write access to the deployment's keys, as an attacker would be: its
     Python work and its writes are not the victim's (only the CPU it takes is shared)."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, cpus: set[int] | None = None) -> None:
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_attack, args=(url, child), daemon=True)
+        self._proc = ctx.Process(target=_attack, args=(url, child, cpus), daemon=True)
         self._proc.start()
         child.close()
 
@@ -170,8 +190,10 @@ class _Attacker:
         self._conn.recv()
 
 
-def _attack(url: str, conn) -> None:
+def _attack(url: str, conn, cpus: set[int] | None) -> None:
     import redis
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     r = redis.Redis.from_url(url)
     keys, blob, entries = None, b"", 0
     while (msg := conn.recv()) is not None:
@@ -201,20 +223,23 @@ def _hostile_run(attacker: _Attacker, url: str, deployment: str, shape: str, blo
     if not pacer:
         shared._pacer.slice_s = float("inf")
     assert shared.sync_now(), shared.status()
-    steps: list[tuple[float, float]] = []
+    steps: list[tuple[float, float, bool, float]] = []
     stop = threading.Event()
 
     def scheduler() -> None:
-        queued = _CpuQueue()
+        queued, stolen = _CpuQueue(), _HostSteal()
         while not stop.is_set():
-            q0 = queued()
+            q0, s0, c0 = queued(), stolen(), time.thread_time()
             t0 = time.perf_counter()
             time.sleep(0.001)                  # the forward pass: the GIL is free
             for _ in range(50):                # a little Python per step
                 policy.predict_next(START)
             step = (time.perf_counter() - t0 - 0.001) * 1000
-            steps.append((step, step - (queued() - q0)))
+            unqueued = step - (queued() - q0)
+            # what is left once its own CPU time is out too: asleep past the 1 ms, waiting for the lock
+            steps.append((step, unqueued, stolen() != s0, unqueued - (time.thread_time() - c0) * 1000))
         queued.close()
+        stolen.close()
 
     t = threading.Thread(target=scheduler, daemon=True)
     t.start()
@@ -231,11 +256,36 @@ def _hostile_run(attacker: _Attacker, url: str, deployment: str, shape: str, blo
     t.join()
     st = shared.status()
     shared.close(final_flush=False)
-    total = sorted(s for s, _ in steps)
+    total = sorted(s for s, _, _, _ in steps)
+    calm = [(u, w) for _, u, x, w in steps if not x] or [(0.0, 0.0)]
     return {"shape": shape, "entries": entries, "blob_bytes": len(blob), "rounds": rounds, "decoy": decoy,
             "round_ms": busy / rounds * 1000, "rejected": st.get("rejected_blobs", 0), "steps": len(steps),
             "step_p50_ms": total[len(total) // 2], "step_p99_ms": total[int(len(total) * 0.99)],
-            "step_max_ms": total[-1], "step_max_unqueued_ms": max(u for _, u in steps), "pacer": pacer}
+            "step_max_ms": total[-1], "steps_stolen": sum(x for _, _, x, _ in steps),
+            "step_max_unqueued_ms": max(u for u, _ in calm), "lock_wait_max_ms": max(w for _, w in calm),
+            "pacer": pacer}
+
+
+class _HostSteal:
+    """The machine's steal counter (Linux /proc/stat, 10 ms ticks): time the hypervisor ran
+    something else on this VM's CPUs. A step during which it moved was stretched by the host, not
+    by anything in this machine; 0 where it is not available."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/stat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> int:
+        if self._fd is None:
+            return 0
+        fields = os.pread(self._fd, 256, 0).split(b"\n", 1)[0].split()
+        return int(fields[8]) if len(fields) > 8 else 0
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
 
 
 class _CpuQueue:
@@ -427,14 +477,22 @@ def _hostile_table(figures: dict) -> list[str]:
     out = ["Hostile entries (8 entries of about 4 MiB, each rewritten with a new sequence number by another "
            "process before every round, so every round fetches and decodes all of them; rounds back to back for "
            "4 s; a stand-in for vLLM's scheduler thread sleeps 1 ms, the forward pass, then runs a little Python; "
-           "step = its time beyond the 1 ms; unqueued = a step less the time the thread waited for a CPU):", "",
-           "| shape | entries | rounds | round | refused | steps | step p50 | step p99 | step max | max unqueued |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "step = its time beyond the 1 ms; unqueued = a step less the time the thread waited for a CPU, over the "
+           "steps during which the hypervisor took no CPU from this VM (stolen: the steps it did); lock wait = "
+           "an unqueued step less the thread's own CPU time: asleep past its 1 ms, waiting for the interpreter "
+           "lock; "
+           "cores: shared = Redis, the writer and the replica on every core, apart = the replica on CPU 0, "
+           "Redis and the writer on the others):", "",
+           "| cores | shape | entries | rounds | round | refused | steps | stolen | step p50 | step p99 | step max "
+           "| max unqueued | max lock wait |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for h in figures.get("hostile", []):
         shape = "decoys (written, never read)" if h.get("decoy") else h["shape"]
-        out.append(f"| {shape} | {h['entries']} | {h['rounds']} | {h['round_ms']:,.0f} ms | {h['rejected']} "
-                   f"| {h['steps']:,} | {h['step_p50_ms']:.2f} ms | {h['step_p99_ms']:.2f} ms "
-                   f"| {h['step_max_ms']:.2f} ms | {h['step_max_unqueued_ms']:.2f} ms |")
+        out.append(f"| {h.get('cores', 'shared')} | {shape} | {h['entries']} | {h['rounds']} "
+                   f"| {h['round_ms']:,.0f} ms | {h['rejected']} | {h['steps']:,} | {h.get('steps_stolen', 0)} "
+                   f"| {h['step_p50_ms']:.2f} ms | {h['step_p99_ms']:.2f} ms "
+                   f"| {h['step_max_ms']:.2f} ms | {h['step_max_unqueued_ms']:.2f} ms "
+                   f"| {h.get('lock_wait_max_ms', float('nan')):.2f} ms |")
     return out
 
 
@@ -502,8 +560,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             # (the rejections are logged; quiet here)
             logging.getLogger("cachescout.shared_state").setLevel(logging.ERROR)
             figures["hostile"] = hostile(url)
+            if not args.redis_url and can_run_apart():
+                with private_redis(cpus=set(range(os.cpu_count() or 1)) - {0}) as apart_url:
+                    figures["hostile"] += hostile(apart_url, apart=True)
             for h in figures["hostile"]:
-                print(f"hostile {h['shape']:<15} {h['entries']} x {h['blob_bytes']:>9,} B: {h['rounds']} rounds of "
+                print(f"hostile {h['cores']:<6} {h['shape']:<15} {h['entries']} x {h['blob_bytes']:>9,} B: "
+                      f"{h['rounds']} rounds of "
                       f"{h['round_ms']:.0f} ms; scheduler step p50 {h['step_p50_ms']:.2f} p99 {h['step_p99_ms']:.2f} "
                       f"max {h['step_max_ms']:.2f} ms ({h['step_max_unqueued_ms']:.2f} unqueued) "
                       f"over {h['steps']} steps", flush=True)
