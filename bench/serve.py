@@ -538,7 +538,9 @@ def run_workloads(workloads: Sequence[tuple[str, Sequence[Session]]], options: S
             if progress:
                 progress(f"{name}: sizing the KV cache")
             opts = dataclasses.replace(options, gpu_blocks=max(4, calibrate_gpu_blocks(served, BLOCK_SIZE, target)))
-        fast = fast_prediction(served, opts.gpu_blocks, time_scale=opts.time_scale)
+        # Belady beside them: the most any eviction order could do for these calls and this cache.
+        fast = fast_prediction(served, opts.gpu_blocks, policies=("lru", "cachescout", "belady"),
+                               time_scale=opts.time_scale)
         one = serve_benchmark(served, opts, progress=functools.partial(_prefixed, progress, name) if progress else None)
         for r in one["results"]:
             f = fast[FAST_COUNTERPART[r["config"]]]
@@ -565,9 +567,21 @@ def format_report(report: dict[str, Any]) -> str:
                          f"{r['ttft_p50_ms']:.0f} ms", f"{r['ttft_p99_ms']:.0f} ms",
                          f"{r['latency_mean_ms']:.0f} ms", f"{r['calls_per_s']:.2f}"))
         same = "identical" if w["outputs_identical"] else f"DIFFER in {len(w['output_differences'])}+ calls"
-        parts.append(render(f"{w['name']}: real vLLM server, {w['calls']} calls, KV cache {w['gpu_blocks']} blocks "
-                            f"of {w['block_size']}; greedy outputs {same} across configurations", rows))
+        table = render(f"{w['name']}: real vLLM server, {w['calls']} calls, KV cache {w['gpu_blocks']} blocks "
+                       f"of {w['block_size']}; greedy outputs {same} across configurations", rows)
+        parts.append(table + bound_line(w.get("fast", {})))
     return "\n\n".join(parts)
+
+
+def bound_line(fast: dict[str, dict[str, float]]) -> str:
+    """What the fast replay's Belady (the future known) predicts against its LRU on the same calls
+    and cache: the most that eviction alone could take off TTFT here ("" without it)."""
+    if "belady" not in fast or "lru" not in fast:
+        return ""
+    b, lru = fast["belady"], fast["lru"]
+    return (f"\n  fast replay, Belady (the future known): GPU hit {b['gpu_token_hit_rate']:.3f}, TTFT "
+            f"{b['ttft_mean_ms']:.0f} ms, {b['ttft_mean_ms'] / lru['ttft_mean_ms'] - 1:+.0%} against its LRU's "
+            f"{lru['ttft_mean_ms']:.0f} ms: the most eviction alone could take off TTFT here")
 
 
 def plot(report: dict[str, Any], path: str) -> None:

@@ -1,0 +1,25 @@
+"""The real-server harness's figures that need no server: what the fast replay predicts for the
+served calls, and the bound it prints beside the measured table."""
+
+from cachescout.bench import serve
+from cachescout.bench.run import calibrate_gpu_blocks
+from cachescout.bench.workloads import WorkloadSpec, generate
+
+
+def test_the_serve_report_states_what_eviction_alone_could_do():
+    served = serve.as_served(generate(WorkloadSpec(family="gsm8k", sessions=8)), 32)
+    blocks = calibrate_gpu_blocks(served, serve.BLOCK_SIZE, 0.6)
+    fast = serve.fast_prediction(served, blocks, policies=("lru", "cachescout", "belady"), time_scale=0.05)
+    # a bound: no order of evictions hits more than the future-known one on the same calls
+    assert fast["belady"]["gpu_token_hit_rate"] >= max(fast["lru"]["gpu_token_hit_rate"],
+                                                       fast["cachescout"]["gpu_token_hit_rate"])
+    line = serve.bound_line(fast)
+    change = fast["belady"]["ttft_mean_ms"] / fast["lru"]["ttft_mean_ms"] - 1
+    assert f"GPU hit {fast['belady']['gpu_token_hit_rate']:.3f}" in line and f"{change:+.0%} against" in line
+    assert serve.bound_line({"lru": fast["lru"]}) == ""     # a report from before the bound: no line
+    result = {"config": "prefix", "hit_rate": 0.6, "gpu_hit_rate": 0.6, "fast_gpu_hit_rate": 0.6,
+              "external_hit_rate": 0.0, "ttft_mean_ms": 500.0, "fast_ttft_mean_ms": 510.0, "ttft_p50_ms": 400.0,
+              "ttft_p99_ms": 900.0, "latency_mean_ms": 800.0, "calls_per_s": 9.0}
+    report = {"workloads": [{"name": "gsm8k", "results": [result], "outputs_identical": True, "calls": 10,
+                             "gpu_blocks": blocks, "block_size": serve.BLOCK_SIZE, "fast": fast}]}
+    assert serve.format_report(report).endswith(line)
