@@ -15,7 +15,7 @@
    vLLM's scheduler (1 ms of GIL-free "forward pass", then a little Python) measures its step times
    while the replica's background thread runs its rounds. Twice where the machine has two CPUs or
    more and the benchmark starts its own redis-server: with Redis, the writer and the replica sharing
-   every core ("shared"), and with the replica on CPU 0 and Redis and the writer on the others
+   every core ("shared"), and with the replica on one CPU and Redis and the writer on the others
    ("apart", as where Redis runs on a host of its own).
 
 Without --redis-url a private redis-server is started on a free loopback port (and stopped).
@@ -136,15 +136,15 @@ def hostile(url: str, entries: int = 8, size: int = 4 * 1024 * 1024, seconds: fl
     Redis, rewritten (new seq) before every round by another process. Two baselines: no entries,
     and "decoys": the same writes, of the first shape, under keys this replica never reads (what
     the machine alone does to the stand-in while Redis and the writer are busy). `apart`: this
-    process on CPU 0 and the writer on the others (the caller puts Redis there)."""
+    process on one CPU and the writer on the others (the caller puts Redis there)."""
     blobs = hostile_blobs(size)
     runs = [("none", b"", 0, False), ("decoys", next(iter(blobs.values())), entries, True),
             *((shape, blob, entries, False) for shape, blob in blobs.items())]
     mine = os.sched_getaffinity(0)
-    others = set(range(os.cpu_count() or 1)) - {0} if apart else None
+    own, others = _split_cpus() if apart else (mine, None)
     try:
         if apart:
-            os.sched_setaffinity(0, {0})
+            os.sched_setaffinity(0, own)
         with _Attacker(url, others) as attacker:
             return [{**_hostile_run(attacker, url, f"hostile-{i}", shape, blob, n, seconds, pacer, decoy),
                      "cores": "apart" if apart else "shared"}
@@ -155,7 +155,13 @@ def hostile(url: str, entries: int = 8, size: int = 4 * 1024 * 1024, seconds: fl
 
 def can_run_apart() -> bool:
     """Whether this machine can put the replica on a core of its own (Linux, two CPUs or more)."""
-    return hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
+    return hasattr(os, "sched_setaffinity") and len(os.sched_getaffinity(0)) >= 2
+
+
+def _split_cpus() -> tuple[set[int], set[int]]:
+    """(the replica's CPU, everyone else's): the first this process may run on, and the rest."""
+    allowed = sorted(os.sched_getaffinity(0))
+    return {allowed[0]}, set(allowed[1:])
 
 
 class _Attacker:
@@ -481,7 +487,7 @@ def _hostile_table(figures: dict) -> list[str]:
            "steps during which the hypervisor took no CPU from this VM (stolen: the steps it did); lock wait = "
            "an unqueued step less the thread's own CPU time: asleep past its 1 ms, waiting for the interpreter "
            "lock; "
-           "cores: shared = Redis, the writer and the replica on every core, apart = the replica on CPU 0, "
+           "cores: shared = Redis, the writer and the replica on every core, apart = the replica on one CPU, "
            "Redis and the writer on the others):", "",
            "| cores | shape | entries | rounds | round | refused | steps | stolen | step p50 | step p99 | step max "
            "| max unqueued | max lock wait |",
@@ -561,7 +567,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.getLogger("cachescout.shared_state").setLevel(logging.ERROR)
             figures["hostile"] = hostile(url)
             if not args.redis_url and can_run_apart():
-                with private_redis(cpus=set(range(os.cpu_count() or 1)) - {0}) as apart_url:
+                with private_redis(cpus=_split_cpus()[1]) as apart_url:
                     figures["hostile"] += hostile(apart_url, apart=True)
             for h in figures["hostile"]:
                 print(f"hostile {h['cores']:<6} {h['shape']:<15} {h['entries']} x {h['blob_bytes']:>9,} B: "

@@ -648,3 +648,26 @@ def test_an_entry_rewritten_every_round_is_logged_once_and_counted_each_time(red
     assert a[1].stats["rejected_blobs"] == 5
     assert sum("'evil'" in rec.getMessage() for rec in caplog.records) == 1
     r.close()
+
+
+def test_the_hostile_benchmark_measures_every_shape_and_each_is_refused(redis_server):
+    # `python -m cachescout.bench.state_bench --sections hostile`, scaled down: each shape written
+    # by another process and refused by the replica every round; the baselines refuse nothing.
+    from cachescout.bench import state_bench
+
+    logging.getLogger("cachescout.shared_state").setLevel(logging.ERROR)
+    try:
+        rows = state_bench.hostile(redis_server.url, entries=2, size=64 * 1024, seconds=0.2,
+                                   apart=state_bench.can_run_apart())
+    finally:
+        logging.getLogger("cachescout.shared_state").setLevel(logging.NOTSET)
+    shapes = [r["shape"] for r in rows]
+    assert shapes[:2] == ["none", "decoys"] and set(shapes[2:]) == set(state_bench.hostile_blobs(1024))
+    for r in rows:
+        assert r["rounds"] > 0 and r["steps"] > 0 and r["step_max_ms"] >= r["step_p99_ms"] >= r["step_p50_ms"]
+        assert r["lock_wait_max_ms"] <= r["step_max_unqueued_ms"] + 1e-9
+        # ("distinct cells" is a valid snapshot, refused only beyond the cell limit: at 4 MiB, not here)
+        if r["shape"] != "distinct cells":
+            assert (r["rejected"] >= r["rounds"]) == (r["shape"] not in ("none", "decoys")), r
+    table = "\n".join(state_bench._hostile_table({"hostile": rows}))
+    assert table.count("\n| ") == len(rows) + 1
