@@ -44,7 +44,7 @@ from cachescout.policy import (SHARED_NAME_PREFIX, CacheScoutPolicy, ConfigError
                                setting)
 from cachescout.policy.state import MAX_BLOB_BYTES
 
-from .state_store import NAME_RULE, SCHEMA, StateKeys, StateStore, StoreView
+from .state_store import FETCH_CHUNK_BYTES, NAME_RULE, SCHEMA, StateKeys, StateStore, StoreView
 
 log = logging.getLogger("cachescout.shared_state")
 
@@ -292,6 +292,7 @@ class SharedLearnedState:
         self.breaker = CircuitBreaker(settings.breaker_failures, settings.breaker_max_cooldown_s, clock)
         self.stats: collections.Counter[str] = collections.Counter()
         self.timings: dict[str, float] = {}   # the last round's phases (seconds), for the benchmark
+        self._fetch_s = 0.0                    # this round's time fetching peers' blobs (counted as reading)
         # Scheduler thread only.
         self._seq = 0
         self._recent: collections.deque = collections.deque(maxlen=65_536)
@@ -548,12 +549,29 @@ class SharedLearnedState:
             t0 = time.perf_counter()
             view = store.read(skip=self.replica, known={**self._rejected,
                                                         **{n: p.key for n, p in self._peers.items()}},
-                              tick=self._pacer)
+                              tick=self._pacer, fetch=False)
             if view.wrong_type:
                 self._repair(store)
             t1 = time.perf_counter()
+            self._fetch_s = 0.0
             self._merge(view, store)
-            self.timings.update(read_s=t1 - t0, merge_s=time.perf_counter() - t1)
+            merge = time.perf_counter() - t1 - self._fetch_s
+            self.timings.update(read_s=t1 - t0 + self._fetch_s, merge_s=merge)
+
+    def _fetch_next(self, store: StateStore, waiting: list[tuple[str, str, int]]) -> dict[str, tuple[bytes, ...]]:
+        """The next of `waiting`'s blobs, with those after it that fit in the same round trip
+        (small peers' blobs come several to a trip); removed from `waiting`. The time counts as
+        reading (`timings['read_s']`)."""
+        t0 = time.perf_counter()
+        n, size = 1, waiting[0][2]
+        while n < len(waiting) and size + waiting[n][2] <= FETCH_CHUNK_BYTES:
+            size += waiting[n][2]
+            n += 1
+        batch = waiting[:n]
+        del waiting[:n]
+        got = store.fetch(batch, tick=self._pacer)
+        self._fetch_s += time.perf_counter() - t0
+        return got
 
     def _meta_value(self, field: str) -> str:
         return {"schema": SCHEMA, "half_life": repr(self.half_life), "hash_domain": self.hash_domain}.get(field, "?")
@@ -592,7 +610,13 @@ class SharedLearnedState:
         rejected: dict[str, tuple[int, int]] = {}
         for entry in view.malformed:
             self._reject(entry, 0, 0, "bookkeeping fields are not integers")
-        for b in view.replicas + view.departed:
+        # Blobs are fetched as they come up, a trip's worth (FETCH_CHUNK_BYTES) at a time, and each is
+        # freed once decoded: a round holds about one peer's bytes, not every peer's (eight hostile
+        # peers of 4 MiB made 32 MiB per round).
+        entries = view.replicas + view.departed
+        waiting = [(b.name, *view.pending[b.name]) for b in entries if b.name in view.pending]
+        ready: dict[str, tuple[bytes, ...]] = {}
+        for b in entries:
             key = (b.gen, b.seq)
             if b.blob is None:
                 self._reject(b.name, b.gen, b.seq, f"{b.size} bytes, over max_blob_bytes {s.max_blob_bytes}")
@@ -601,13 +625,18 @@ class SharedLearnedState:
             if old is not None and old.key == key:
                 peers[b.name] = old
                 continue
-            if not b.blob:
+            parts = b.blob
+            if not parts and b.name in view.pending:
+                if b.name not in ready and waiting and waiting[0][0] == b.name:
+                    ready.update(self._fetch_next(store, waiting))
+                parts = ready.pop(b.name, ())     # absent: its key no longer holds a string
+            if not parts:
                 if self._rejected.get(b.name) == key:
                     rejected[b.name] = key    # refused before and unchanged: not fetched, not decoded again
                 continue     # else registered, nothing flushed yet
             try:
                 with _collector_deferred():
-                    snap = TransitionSnapshot.decode(b.blob, self._pacer)
+                    snap = TransitionSnapshot.decode(parts, self._pacer)
             except StateDecodeError as exc:
                 rejected[b.name] = key
                 self._reject(b.name, b.gen, b.seq, str(exc))
@@ -617,6 +646,7 @@ class SharedLearnedState:
                 self._reject(b.name, b.gen, b.seq, f"half_life {snap.half_life} != {self.half_life}")
                 continue
             peers[b.name] = _Peer(key, snap.decayed_rows())
+            del parts, snap
             self._pacer()
         self._peers = peers
         self._rejected = rejected

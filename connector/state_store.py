@@ -220,6 +220,8 @@ class StoreView:
     departed: list[StoredBlob]
     malformed: list[str]   # entries whose bookkeeping fields or stamps are not integers (written by someone else)
     wrong_type: dict[str, str] = dataclasses.field(default_factory=dict)   # key -> the Redis type it holds
+    # read(fetch=False): the blobs wanted but not fetched (their `blob` is ()), name -> (key, size)
+    pending: dict[str, tuple[str, int]] = dataclasses.field(default_factory=dict)
 
 
 class StateKeys:
@@ -313,11 +315,12 @@ class StateStore:
 
     # -- everyone's state ---------------------------------------------------------------------
     def read(self, *, skip: str | None = None, known: dict[str, tuple[int, int]] | None = None,
-             tick: Callable[[], object] | None = None) -> StoreView:
+             tick: Callable[[], object] | None = None, fetch: bool = True) -> StoreView:
         """Everything stored: two round trips, then one per FETCH_CHUNK_BYTES of blobs. Blobs over the
         size limit are not fetched; blobs whose (gen, seq) is in `known` are not fetched again (their
         `blob` is ()). `tick` is called after each round trip of blob parts (a background caller
-        yields the interpreter lock there)."""
+        yields the interpreter lock there). `fetch=False`: the blobs wanted are left in `pending`,
+        for the caller to `fetch` a few at a time (so that it never holds every peer's bytes)."""
         k = self.keys
         # One script, so the server's clock and the lists come from the same node and moment.
         now_ms, flat_meta, flat_reps, flat_deps, flat_wrong = self._head(
@@ -365,11 +368,22 @@ class StateStore:
             departed.append(StoredBlob(f, gen, 0, int(at), int(size), None))
             if 0 < int(size) <= self.max_blob_bytes and (known or {}).get(f) != (gen, 0):
                 want.append((f, k.departed(f), int(size)))
-        # Fetched in round trips of at most FETCH_CHUNK_BYTES of replies (a blob over that in parts,
-        # with GETRANGE; small ones several to a trip), `tick` between trips, and kept in those parts:
-        # parsing replies and copying megabytes into fresh memory hold the interpreter lock, so
-        # neither happens in one step for more than a part. A blob rewritten meanwhile comes out
-        # torn, and its checksum refuses it.
+        blobs = self.fetch(want, tick) if fetch else {}
+        def filled(x: StoredBlob) -> StoredBlob:
+            return dataclasses.replace(x, blob=blobs.get(x.name, () if x.size <= self.max_blob_bytes else None))
+
+        return StoreView(int(now_ms), {_text(a): _text(b) for a, b in meta.items()},
+                         [filled(x) for x in replicas], [filled(x) for x in departed], malformed, wrong,
+                         {} if fetch else {name: (key, size) for name, key, size in want})
+
+    def fetch(self, want: Sequence[tuple[str, str, int]],
+              tick: Callable[[], object] | None = None) -> dict[str, tuple[bytes, ...]]:
+        """The blobs `want` names, (name, key, size), each as the parts it was fetched in; one whose
+        key no longer holds a string is left out. Round trips carry at most FETCH_CHUNK_BYTES of
+        replies (a blob over that in parts, with GETRANGE; small ones several to a trip), `tick`
+        between them, and the parts are never joined: parsing replies and copying megabytes into
+        fresh memory hold the interpreter lock, so neither happens in one step for more than a part.
+        A blob rewritten meanwhile comes out torn, and its checksum refuses it."""
         parts = [(name, blob_key, first, min(FETCH_CHUNK_BYTES, size - first))
                  for name, blob_key, size in want for first in range(0, size, FETCH_CHUNK_BYTES)]
         got_parts: dict[str, list[Any]] = {}
@@ -386,12 +400,7 @@ class StateStore:
             del parts[:batch]
             if tick is not None:
                 tick()
-        blobs = {name: tuple(got) for name, got in got_parts.items() if all(isinstance(x, bytes) for x in got)}
-        def filled(x: StoredBlob) -> StoredBlob:
-            return dataclasses.replace(x, blob=blobs.get(x.name, () if x.size <= self.max_blob_bytes else None))
-
-        return StoreView(int(now_ms), {_text(a): _text(b) for a, b in meta.items()},
-                         [filled(x) for x in replicas], [filled(x) for x in departed], malformed, wrong)
+        return {name: tuple(got) for name, got in got_parts.items() if all(isinstance(x, bytes) for x in got)}
 
     def fold(self, name: str, gen: int, seq: int) -> str:
         k = self.keys

@@ -671,3 +671,32 @@ def test_the_hostile_benchmark_measures_every_shape_and_each_is_refused(redis_se
             assert (r["rejected"] >= r["rounds"]) == (r["shape"] not in ("none", "decoys")), r
     table = "\n".join(state_bench._hostile_table({"hostile": rows}))
     assert table.count("\n| ") == len(rows) + 1
+
+
+def test_a_round_never_holds_every_peers_bytes_at_once(redis_server):
+    # Eight hostile peers of 1 MiB each: fetched all at once, a round held 8 MiB of parts, faulted
+    # in and handed back to the kernel each round with the interpreter lock held (waits of up to
+    # 17 ms for vLLM's scheduler thread). Fetched as they come up and freed once decoded, a round
+    # holds about one peer's bytes.
+    import tracemalloc
+
+    from cachescout.bench.state_bench import hostile_blobs
+    a = make(redis_server.url, "a")
+    learn(a[0], [("x", "y")])
+    sync(a)
+    k = a[1].keys
+    r = redis.Redis.from_url(redis_server.url)
+    blob = hostile_blobs(1 << 20)["empty arrays"]
+    now = int(time.time() * 1000)
+    for i in range(8):
+        plant(r, k, f"evil-{i}", blob, gen=1, seq=1, at=now)
+        r.zadd(k.replicas, {f"evil-{i}": now})
+    tracemalloc.start()
+    try:
+        assert a[1].sync_now()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert a[1].stats["rejected_blobs"] == 8
+    assert peak < 3 * len(blob), peak          # one peer's parts and what decoding them builds
+    r.close()
