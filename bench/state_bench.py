@@ -233,7 +233,7 @@ def _hostile_run(attacker: _Attacker, url: str, deployment: str, shape: str, blo
     stop = threading.Event()
 
     def scheduler() -> None:
-        queued, stolen = _CpuQueue(), _HostSteal()
+        queued, stolen = _cpu_queue(), _host_steal()
         while not stop.is_set():
             q0, s0, c0 = queued(), stolen(), time.thread_time()
             t0 = time.perf_counter()
@@ -272,47 +272,41 @@ def _hostile_run(attacker: _Attacker, url: str, deployment: str, shape: str, blo
             "pacer": pacer}
 
 
-class _HostSteal:
-    """The machine's steal counter (Linux /proc/stat, 10 ms ticks): time the hypervisor ran
-    something else on this VM's CPUs. A step during which it moved was stretched by the host, not
-    by anything in this machine; 0 where it is not available."""
+class _ProcCounter:
+    """One number read again and again from a Linux /proc file (kept open: a read is a pread);
+    0 where the file is not available. `field`: which of its first line's whitespace-separated
+    fields, `scale`: what to multiply it by."""
 
-    def __init__(self) -> None:
+    def __init__(self, path: str, field: int, scale: float = 1.0) -> None:
+        self.field, self.scale = field, scale
         try:
-            self._fd: int | None = os.open("/proc/stat", os.O_RDONLY)
-        except OSError:
-            self._fd = None
-
-    def __call__(self) -> int:
-        if self._fd is None:
-            return 0
-        fields = os.pread(self._fd, 256, 0).split(b"\n", 1)[0].split()
-        return int(fields[8]) if len(fields) > 8 else 0
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-
-
-class _CpuQueue:
-    """Milliseconds the calling thread has spent runnable but waiting for a CPU (Linux's
-    schedstat); 0 where that is not available. Time a thread waits for the interpreter lock it
-    spends asleep, not queued, so a step less its queued time is what the process did to it."""
-
-    def __init__(self) -> None:
-        try:
-            self._fd: int | None = os.open(f"/proc/self/task/{threading.get_native_id()}/schedstat", os.O_RDONLY)
+            self._fd: int | None = os.open(path, os.O_RDONLY)
         except OSError:
             self._fd = None
 
     def __call__(self) -> float:
         if self._fd is None:
             return 0.0
-        return int(os.pread(self._fd, 64, 0).split()[1]) / 1e6
+        fields = os.pread(self._fd, 256, 0).split(b"\n", 1)[0].split()
+        return int(fields[self.field]) * self.scale if len(fields) > self.field else 0.0
 
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)
+
+
+def _host_steal() -> _ProcCounter:
+    """The machine's steal counter (/proc/stat, 10 ms ticks): time the hypervisor ran something
+    else on this VM's CPUs. A step during which it moved was stretched by the host, not by
+    anything in this machine."""
+    return _ProcCounter("/proc/stat", 8)
+
+
+def _cpu_queue() -> _ProcCounter:
+    """Milliseconds the calling thread has spent runnable but waiting for a CPU (its schedstat).
+    Time a thread waits for the interpreter lock it spends asleep, not queued, so a step less its
+    queued time is what the process did to it."""
+    return _ProcCounter(f"/proc/self/task/{threading.get_native_id()}/schedstat", 1, 1e-6)
 
 
 # -- 1. flush and merge cost -------------------------------------------------------------------------
