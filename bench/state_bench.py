@@ -131,15 +131,18 @@ def hostile_blobs(size: int) -> dict[str, bytes]:
 
 
 def hostile(url: str, entries: int = 8, size: int = 4 * 1024 * 1024, seconds: float = 4.0,
-            pacer: bool = True, apart: bool = False) -> list[dict]:
+            pacer: bool = True, apart: bool = False, shapes: Sequence[str] | None = None) -> list[dict]:
     """Per shape: the scheduler stand-in's step times (ms) while `entries` hostile entries are in
     Redis, rewritten (new seq) before every round by another process. Two baselines: no entries,
     and "decoys": the same writes, of the first shape, under keys this replica never reads (what
     the machine alone does to the stand-in while Redis and the writer are busy). `apart`: this
-    process on one CPU and the writer on the others (the caller puts Redis there)."""
+    process on one CPU and the writer on the others (the caller puts Redis there). `shapes`: only
+    these (the baselines too, by name), each for `seconds`."""
     blobs = hostile_blobs(size)
     runs = [("none", b"", 0, False), ("decoys", next(iter(blobs.values())), entries, True),
             *((shape, blob, entries, False) for shape, blob in blobs.items())]
+    if shapes is not None:
+        runs = [run for run in runs if run[0] in shapes]
     mine = os.sched_getaffinity(0)
     own, others = _split_cpus() if apart else (mine, None)
     try:
@@ -147,7 +150,7 @@ def hostile(url: str, entries: int = 8, size: int = 4 * 1024 * 1024, seconds: fl
             os.sched_setaffinity(0, own)
         with _Attacker(url, others) as attacker:
             return [{**_hostile_run(attacker, url, f"hostile-{i}", shape, blob, n, seconds, pacer, decoy),
-                     "cores": "apart" if apart else "shared"}
+                     "cores": "apart" if apart else "shared", "seconds": seconds}
                     for i, (shape, blob, n, decoy) in enumerate(runs)]
     finally:
         os.sched_setaffinity(0, mine)
@@ -474,9 +477,11 @@ def markdown(figures: dict) -> str:
 
 
 def _hostile_table(figures: dict) -> list[str]:
+    seconds = max((h.get("seconds", 4.0) for h in figures.get("hostile", [])), default=4.0)
     out = ["Hostile entries (8 entries of about 4 MiB, each rewritten with a new sequence number by another "
            "process before every round, so every round fetches and decodes all of them; rounds back to back for "
-           "4 s; a stand-in for vLLM's scheduler thread sleeps 1 ms, the forward pass, then runs a little Python; "
+           f"{seconds:g} s; a stand-in for vLLM's scheduler thread sleeps 1 ms, the forward pass, then runs a "
+           "little Python; "
            "step = its time beyond the 1 ms; unqueued = a step less the time the thread waited for a CPU, over the "
            "steps during which the hypervisor took no CPU from this VM (stolen: the steps it did); lock wait = "
            "an unqueued step less the thread's own CPU time: asleep past its 1 ms, waiting for the interpreter "
@@ -545,8 +550,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--families", default="gsm8k,mtbench,gaia,swebench")
     ap.add_argument("--seeds", type=int, default=3, help="seeds per family for the join figures (default 3)")
     ap.add_argument("--sections", default="cost,join,hostile", help="which figures (default cost,join,hostile)")
+    ap.add_argument("--hostile-shapes", default=None, metavar="NAMES",
+                    help="hostile: only these shapes, comma-separated (default: none, decoys and every shape)")
+    ap.add_argument("--hostile-seconds", type=float, default=4.0, metavar="S",
+                    help="hostile: seconds per shape and layout (default 4; the long-run tail needs 60-90)")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
+    known = ["none", "decoys", *hostile_blobs(1024)]
+    shapes = None if args.hostile_shapes is None else [x.strip() for x in args.hostile_shapes.split(",")]
+    if shapes is not None and (not shapes or any(x not in known for x in shapes)):
+        ap.error(f"--hostile-shapes {args.hostile_shapes!r}: choose from {', '.join(known)}")
+    if not 0 < args.hostile_seconds < 86_400:
+        ap.error(f"--hostile-seconds must be within (0, 86400), got {args.hostile_seconds}")
     with (contextlib.nullcontext(args.redis_url) if args.redis_url else private_redis()) as url:
         figures: dict = {"cost": cost(url) if "cost" in sections else [], "join": [], "hostile": []}
         print(f"{'agents':>6} {'cells':>6} {'blob':>8} {'encode':>7} {'flush':>7} {'read 1st':>8} {'read':>7} "
@@ -559,10 +574,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "hostile" in sections:
             # (the rejections are logged; quiet here)
             logging.getLogger("cachescout.shared_state").setLevel(logging.ERROR)
-            figures["hostile"] = hostile(url)
+            figures["hostile"] = hostile(url, seconds=args.hostile_seconds, shapes=shapes)
             if not args.redis_url and can_run_apart():
                 with private_redis(cpus=_split_cpus()[1]) as apart_url:
-                    figures["hostile"] += hostile(apart_url, apart=True)
+                    figures["hostile"] += hostile(apart_url, seconds=args.hostile_seconds, apart=True, shapes=shapes)
             for h in figures["hostile"]:
                 print(f"hostile {h['cores']:<6} {h['shape']:<15} {h['entries']} x {h['blob_bytes']:>9,} B: "
                       f"{h['rounds']} rounds of "

@@ -671,6 +671,11 @@ def test_the_hostile_benchmark_measures_every_shape_and_each_is_refused(redis_se
             assert (r["rejected"] >= r["rounds"]) == (r["shape"] not in ("none", "decoys")), r
     table = "\n".join(state_bench._hostile_table({"hostile": rows}))
     assert table.count("\n| ") == len(rows) + 1
+    some = state_bench.hostile(redis_server.url, entries=1, size=64 * 1024, seconds=0.1, shapes=["none", "empty maps"])
+    assert [r["shape"] for r in some] == ["none", "empty maps"] and "back to back for 0.1 s" in "\n".join(
+        state_bench._hostile_table({"hostile": some}))
+    with pytest.raises(SystemExit):
+        state_bench.main(["--sections", "hostile", "--hostile-shapes", "empty arrays,nosuch"])
 
 
 def test_a_round_never_holds_every_peers_bytes_at_once(redis_server):
