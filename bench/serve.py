@@ -80,6 +80,8 @@ class ServeOptions:
                          "cannot flip)", choices=tuple(_DTYPE_BYTES))
     start_timeout_s: float = setting(300.0, "seconds a server may take to start", lo=0, lo_open=True, hi=86400)
     call_timeout_s: float = setting(120.0, "seconds one call may take", lo=0, lo_open=True, hi=86400)
+    repeats: int = setting(1, "rounds of every configuration, interleaved (each round starts one configuration "
+                           "later); figures are the rounds' means, with their spread", lo=1, hi=100)
     log_dir: str | None = setting(None, "keep the servers' logs in this folder (default: a temporary one, removed)",
                                   flag="--serve-logs")
 
@@ -438,21 +440,57 @@ def compare_outputs(runs: dict[str, list[CallRecord]]) -> list[dict[str, Any]]:
     return out
 
 
+def round_order(configs: Sequence[str], r: int) -> list[str]:
+    """The configurations in round `r`: each round starts one later, so that none always runs
+    first (a cold machine) or right after the same neighbour."""
+    k = r % len(configs)
+    return [*configs[k:], *configs[:k]]
+
+
+def combine_rounds(rounds: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's figures over its rounds: every number the rounds' mean, `rounds` the
+    count, and the spread of mean TTFT (`ttft_mean_ms_each`, `ttft_mean_ms_sd`) that says how far
+    one round can be trusted. One round is returned as it is."""
+    if len(rounds) == 1:
+        return rounds[0]
+
+    def mean(values: list[Any]) -> Any:
+        if all(isinstance(v, dict) for v in values):
+            return {k: mean([v.get(k, 0.0) for v in values]) for k in values[0]}
+        if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            return statistics.fmean(values)
+        return values[0]
+
+    out = {k: mean([r[k] for r in rounds]) for k in rounds[0]}
+    out["calls"] = rounds[0]["calls"]
+    out["rounds"] = len(rounds)
+    out["ttft_mean_ms_each"] = [r["ttft_mean_ms"] for r in rounds]
+    out["ttft_mean_ms_sd"] = statistics.stdev(out["ttft_mean_ms_each"])
+    return out
+
+
 def serve_benchmark(sessions: Sequence[Session], options: ServeOptions,
                     progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Every configuration on the same calls; raises OutputsDiffer after reporting if outputs differ."""
     keep = options.log_dir is not None
     work = Path(options.log_dir) if options.log_dir is not None else Path(tempfile.mkdtemp(prefix="cachescout-serve-"))
     work.mkdir(parents=True, exist_ok=True)
-    results, runs = [], {}
+    rounds: dict[str, list[dict[str, Any]]] = {c: [] for c in options.configs}
+    runs = {}
     try:
-        for config in options.configs:
-            summary, records = run_config(config, sessions, options, work, progress)
-            results.append(summary)
-            runs[config] = records
+        for r in range(options.repeats):
+            for config in round_order(options.configs, r):
+                label = config if options.repeats == 1 else f"{config}#{r + 1}"
+                summary, records = run_config(config, sessions, options, work,
+                                              progress if options.repeats == 1 else
+                                              functools.partial(_prefixed, progress, f"round {r + 1}")
+                                              if progress else None)
+                rounds[config].append(summary)
+                runs[label] = records
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+    results = [combine_rounds(rounds[c]) for c in options.configs]
     differ = compare_outputs(runs)
     return {"engine": "serve", "model": options.model, "gpu_blocks": options.gpu_blocks, "block_size": BLOCK_SIZE,
             "options": {k: v for k, v in dataclasses.asdict(options).items() if k != "log_dir"},
@@ -463,13 +501,19 @@ def serve_benchmark(sessions: Sequence[Session], options: ServeOptions,
                          "outputs capped at max_output tokens, waits scaled by time_scale"}
 
 
+def ttft_cell(r: dict[str, Any]) -> str:
+    """Mean TTFT, with the rounds' standard deviation when there were several."""
+    sd = f" ±{r['ttft_mean_ms_sd']:.0f}" if r.get("rounds", 1) > 1 else ""
+    return f"{r['ttft_mean_ms']:.0f}{sd} ms"
+
+
 def format_serve_table(report: dict[str, Any]) -> str:
     from .table import render
 
     rows = [("config", "hit", "GPU hit", "external", "TTFT mean", "p50", "p99", "latency", "calls/s", "tokens/s")]
     for r in report["results"]:
         rows.append((r["config"], f"{r['hit_rate']:.3f}", f"{r['gpu_hit_rate']:.3f}", f"{r['external_hit_rate']:.3f}",
-                     f"{r['ttft_mean_ms']:.0f} ms", f"{r['ttft_p50_ms']:.0f} ms", f"{r['ttft_p99_ms']:.0f} ms",
+                     ttft_cell(r), f"{r['ttft_p50_ms']:.0f} ms", f"{r['ttft_p99_ms']:.0f} ms",
                      f"{r['latency_mean_ms']:.0f} ms", f"{r['calls_per_s']:.2f}", f"{r['tokens_per_s']:.0f}"))
     head = (f"real vLLM server, {report['calls']} calls, KV cache {report['gpu_blocks']} blocks of "
             f"{report['block_size']}; outputs {'identical' if report['outputs_identical'] else 'DIFFER'} "
@@ -567,11 +611,13 @@ def format_report(report: dict[str, Any]) -> str:
         for r in w["results"]:
             rows.append((r["config"], f"{r['hit_rate']:.3f}", f"{r['gpu_hit_rate']:.3f}",
                          f"{r['fast_gpu_hit_rate']:.3f}", f"{r['external_hit_rate']:.3f}",
-                         f"{r['ttft_mean_ms']:.0f} ms", f"{r['fast_ttft_mean_ms']:.0f} ms",
+                         ttft_cell(r), f"{r['fast_ttft_mean_ms']:.0f} ms",
                          f"{r['ttft_p50_ms']:.0f} ms", f"{r['ttft_p99_ms']:.0f} ms",
                          f"{r['latency_mean_ms']:.0f} ms", f"{r['calls_per_s']:.2f}"))
         same = "identical" if w["outputs_identical"] else f"DIFFER in {len(w['output_differences'])}+ calls"
-        table = render(f"{w['name']}: real vLLM server, {w['calls']} calls, KV cache {w['gpu_blocks']} blocks "
+        rounds = w["results"][0].get("rounds", 1) if w["results"] else 1
+        each = f", every configuration {rounds} rounds, interleaved (TTFT mean ±sd of rounds)" if rounds > 1 else ""
+        table = render(f"{w['name']}: real vLLM server, {w['calls']} calls{each}, KV cache {w['gpu_blocks']} blocks "
                        f"of {w['block_size']}; greedy outputs {same} across configurations", rows)
         parts.append(table + bound_line(w.get("fast", {})))
     return "\n\n".join(parts)

