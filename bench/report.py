@@ -325,16 +325,21 @@ this machine (`tiny-llama-cpu`, fitted by
 The KV cache is sized where the fast replay's LRU hits {target:.0%} of the served calls. Greedy
 outputs must be the same in every configuration; a difference fails the run. The last line of
 each table is what the fast replay's Belady (the future known) predicts for the same calls and
-cache: the most that eviction alone could take off TTFT there. One run per configuration on a
-2-core machine: the server queues, and TTFT moves between runs by more than eviction can change
-it (plain vLLM's mean TTFT on these GSM8K calls was 575, 730 and 770 ms in three runs, 2026-12-03
-and 04); read a measured gap larger than Belady's as queueing.
+cache: the most that eviction alone could take off TTFT there. {runs}
 
 ```
 make real-engine
-~/.cache/cachescout/real-*/bin/cachescout bench --engine serve --workloads {workloads} --sessions {sessions}
+~/.cache/cachescout/real-*/bin/cachescout bench --engine serve --workloads {workloads} --sessions {sessions}{repeats}
 ```
 """
+ONE_RUN = """One run per configuration on a
+2-core machine: the server queues, and TTFT moves between runs by more than eviction can change
+it; read a measured gap larger than Belady's as queueing."""
+ROUNDS = """Each configuration ran {rounds}
+times, in interleaved rounds (each round starts one configuration later, so none always runs first
+or after the same neighbour); figures are the rounds' means, and `±` is the standard deviation of
+mean TTFT over the rounds: on a 2-core machine the server queues, and a gap smaller than that is
+not a measured difference."""
 
 
 def real_engine_section(report: dict, sessions: int, target: float = 0.6) -> str:
@@ -345,9 +350,11 @@ def real_engine_section(report: dict, sessions: int, target: float = 0.6) -> str
     opts = report["workloads"][0]["options"]
     cost = CostProfile.named("tiny-llama-cpu")
     prefill = f"{cost.prefill_s_per_token * 1e6:.0f} µs per token"
+    rounds = report["workloads"][0]["results"][0].get("rounds", 1)
     text = ENGINE_TEXT.format(time_scale=opts["time_scale"], max_output=opts["max_output"], prefill=prefill,
                               target=target, workloads=",".join(w["name"] for w in report["workloads"]),
-                              sessions=sessions)
+                              sessions=sessions, runs=ROUNDS.format(rounds=rounds) if rounds > 1 else ONE_RUN,
+                              repeats=f" --serve-repeats {rounds}" if rounds > 1 else "")
     return f"{text}\n```\n{format_report(report).rstrip()}\n```\n"
 
 

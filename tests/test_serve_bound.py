@@ -65,3 +65,20 @@ def test_repeated_rounds_interleave_the_configurations_and_report_their_spread()
                              "gpu_blocks": 64, "block_size": serve.BLOCK_SIZE}]}
     text = serve.format_report(report)
     assert "600 ±141 ms" in text and "2 rounds" in text
+
+
+def test_the_real_server_section_says_how_many_rounds_its_figures_average(tmp_path):
+    import json
+
+    from cachescout.bench import report as results
+
+    row = dict(_PREFIX_ROW, rounds=3, ttft_mean_ms_sd=25.0, ttft_mean_ms_each=[475.0, 500.0, 525.0])
+    report = {"engine": "serve", "workloads": [{"name": "gsm8k", "results": [row], "outputs_identical": True,
+                                                "calls": 10, "gpu_blocks": 64, "block_size": 32, "fast": {},
+                                                "options": {"time_scale": 0.05, "max_output": 32}}]}
+    src, doc = tmp_path / "serve.json", tmp_path / "results.md"
+    src.write_text(json.dumps(report))
+    doc.write_text("# Results\n\n## Reading the figures\n\nText.\n")
+    assert results.main(["--out", str(doc), "--sections-only", "--real-engine", str(src)]) == 0
+    section = results.kept_sections(str(doc), (results.ENGINE_TITLE,))[results.ENGINE_TITLE]
+    assert "--serve-repeats 3" in section and "ran 3\ntimes" in section and "500 ±25 ms" in section
