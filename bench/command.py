@@ -13,6 +13,7 @@ from cachescout.policy import InputError
 
 EXIT_ERROR = 1
 SERVE_CONFIGS = ("prefix", "lmcache", "cachescout", "cachescout-lmcache")   # bench/serve.py's CONFIGS
+SERVE_CONTROLS = ("cachescout-observe",)                                     # ... and CONTROLS
 _COUNT = 10**9            # sessions, blocks: far above any machine's
 _SECONDS = 10**9
 DESCRIPTION = ("Replay the built-in multi-agent workloads (or a trace) on a vLLM-semantics prefix cache "
@@ -43,7 +44,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     b.add_argument("--quiet", action="store_true", help="no progress on stderr")
     s = b.add_argument_group("--engine serve")
     s.add_argument("--serve-configs", default=",".join(SERVE_CONFIGS),
-                   help=f"server configurations (default {','.join(SERVE_CONFIGS)})")
+                   help=f"server configurations (default {','.join(SERVE_CONFIGS)}; also "
+                        f"{','.join(SERVE_CONTROLS)}: CacheScout loaded but not steering, a control)")
     s.add_argument("--serve-model", default=None, metavar="DIR",
                    help="model folder (default: the tiny random Llama, built once by "
                         "python -m cachescout.bench.tiny_model)")
@@ -141,10 +143,10 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
     except ImportError as e:
         raise InputError(f"--engine serve needs the real-engine environment ({e}); see docs/usage.md") from None
     configs = tuple(c for c in args.serve_configs.split(",") if c)
-    unknown = [c for c in configs if c not in SERVE_CONFIGS]
+    unknown = [c for c in configs if c not in SERVE_CONFIGS + SERVE_CONTROLS]
     if unknown or not configs:
         raise InputError(f"--serve-configs: unknown {', '.join(unknown) or '(none given)'}; "
-                         f"choose from {', '.join(SERVE_CONFIGS)}")
+                         f"choose from {', '.join(SERVE_CONFIGS + SERVE_CONTROLS)}")
     for f in families:
         if f not in FAMILIES:
             raise InputError(f"--workloads: unknown workload {f!r}; choose from {', '.join(FAMILIES)}")

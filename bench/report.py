@@ -342,8 +342,21 @@ mean TTFT over the rounds: on a 2-core machine the server queues, and a gap smal
 not a measured difference."""
 
 
-def real_engine_section(report: dict, sessions: int, target: float = 0.6) -> str:
-    """`cachescout bench --engine serve`'s JSON as a section of results.md."""
+CONTROL_TEXT = """A second run beside the first, with the control `cachescout-observe`: CacheScout
+loaded but not steering (`steer_gpu` false), so vLLM evicts by LRU with a KV connector in place.
+Set against `prefix` (no connector) and `cachescout` (steering), it tells what CacheScout's
+eviction order does from what having a KV connector does to this vLLM build:
+
+```
+~/.cache/cachescout/real-*/bin/cachescout bench --engine serve --workloads {workloads} --sessions {sessions}{repeats} \\
+    --serve-configs {configs}
+```
+"""
+
+
+def real_engine_section(report: dict, sessions: int, target: float = 0.6, controls: tuple[dict, ...] = ()) -> str:
+    """`cachescout bench --engine serve`'s JSON as a section of results.md; `controls`: further
+    serve reports (runs with the control configuration), each shown after it."""
     from .replay import CostProfile
     from .serve import format_report
 
@@ -355,7 +368,15 @@ def real_engine_section(report: dict, sessions: int, target: float = 0.6) -> str
                               target=target, workloads=",".join(w["name"] for w in report["workloads"]),
                               sessions=sessions, runs=ROUNDS.format(rounds=rounds) if rounds > 1 else ONE_RUN,
                               repeats=f" --serve-repeats {rounds}" if rounds > 1 else "")
-    return f"{text}\n```\n{format_report(report).rstrip()}\n```\n"
+    out = f"{text}\n```\n{format_report(report).rstrip()}\n```\n"
+    for c in controls:
+        rounds = c["workloads"][0]["results"][0].get("rounds", 1)
+        out += "\n" + CONTROL_TEXT.format(
+            workloads=",".join(w["name"] for w in c["workloads"]), sessions=sessions,
+            repeats=f" --serve-repeats {rounds}" if rounds > 1 else "",
+            configs=",".join(r["config"] for r in c["workloads"][0]["results"]))
+        out += f"\n```\n{format_report(c).rstrip()}\n```\n"
+    return out
 
 
 def splice(path: str, title: str, body: str, before: str = "## Reading the figures") -> None:
@@ -421,8 +442,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also replay the recorded traces (TRACE_RUNS, paths relative to ROOT, the project root) "
                          "into the real-traffic section (about 15 more minutes); with --sections-only and no "
                          "--real-traffic, only their tables are replaced")
-    ap.add_argument("--real-engine", default=None, metavar="JSON",
-                    help="`cachescout bench --engine serve`'s --json output, as the real-server section")
+    ap.add_argument("--real-engine", default=None, metavar="JSON", action="append",
+                    help="`cachescout bench --engine serve`'s --json output, as the real-server section "
+                         "(repeatable: further reports, runs with the control configuration, follow the first)")
     ap.add_argument("--real-engine-sessions", type=int, default=30, help="the sessions that run used (for the text)")
     ap.add_argument("--sections-only", action="store_true",
                     help="put only the --real-traffic and --real-engine sections into --out, keeping the rest")
@@ -436,12 +458,16 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--real-traffic {path}: not a real_traffic JSON report ({e})")
     engine, engine_report = None, {}
     if args.real_engine:
-        try:
-            with open(args.real_engine, encoding="utf-8") as fh:
-                engine_report = json.load(fh)
-            engine = real_engine_section(engine_report, args.real_engine_sessions)
-        except (OSError, ValueError, KeyError) as e:
-            ap.error(f"--real-engine {args.real_engine}: not a serve JSON report ({e})")
+        reports = []
+        for path in args.real_engine:
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    reports.append(json.load(fh))
+                real_engine_section(reports[-1], args.real_engine_sessions)
+            except (OSError, ValueError, KeyError, IndexError) as e:
+                ap.error(f"--real-engine {path}: not a serve JSON report ({e})")
+        engine_report = reports[0]
+        engine = real_engine_section(engine_report, args.real_engine_sessions, controls=tuple(reports[1:]))
     if args.sections_only:
         # The rest of the file keeps its own date: each section rewritten here says when and where.
         today, here = datetime.date.today().isoformat(), machine()

@@ -18,7 +18,10 @@ Configurations (`CONFIGS`):
   LMCache's connector with the CPU KV layout adapter, connector/lmcache_cpu.py);
 - `cachescout`: CacheScoutConnector steering the prefix cache;
 - `cachescout-lmcache`: both in vLLM's MultiConnector, as `cachescout config` prints it, with
-  LMCache's CPU tier ranked by CacheScout.
+  LMCache's CPU tier ranked by CacheScout;
+- `cachescout-observe` (not run by default): CacheScoutConnector loaded but not steering
+  (`steer_gpu` false), so vLLM evicts by LRU with a connector in place: the control that tells
+  what CacheScout's eviction order does from what having a KV connector does to vLLM.
 
 Semantics: the next prompt of a session holds the workload's recorded outputs, not what this
 model generated, so an output's own blocks are never reused (the fast replay assumes they are);
@@ -56,7 +59,8 @@ from cachescout.policy import CacheScoutError, ExternalError, InputError, check_
 from .replay import SessionFlow
 from .workloads import Session
 
-CONFIGS = ("prefix", "lmcache", "cachescout", "cachescout-lmcache")
+CONFIGS = ("prefix", "lmcache", "cachescout", "cachescout-lmcache")     # run by default
+CONTROLS = ("cachescout-observe",)                                        # on request
 BLOCK_SIZE = 32             # the CPU attention backend needs a multiple of 32
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _METRIC = re.compile(r"^(vllm:[a-z_]+?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
@@ -87,10 +91,10 @@ class ServeOptions:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        unknown = [c for c in self.configs if c not in CONFIGS]
+        unknown = [c for c in self.configs if c not in CONFIGS + CONTROLS]
         if unknown or not self.configs:
             raise InputError(f"serve configurations: unknown {', '.join(unknown) or '(none)'}; "
-                             f"choose from {', '.join(CONFIGS)}")
+                             f"choose from {', '.join(CONFIGS + CONTROLS)}")
         if not (isinstance(self.gpu_blocks, int) and self.gpu_blocks >= 4):
             raise InputError(f"gpu_blocks must be an integer >= 4, got {self.gpu_blocks!r}")
         if not Path(self.model, "config.json").is_file():
@@ -216,6 +220,8 @@ def server_settings(config: str, options: ServeOptions, redis_url: str | None, w
                             "cachescout.connector.lmcache_cpu", "kv_role": "kv_both"}
     elif config == "cachescout":
         kvt = connector_entry(dict(connector_extra or {}))
+    elif config == "cachescout-observe":
+        kvt = connector_entry({**(connector_extra or {}), "steer_gpu": False})
     elif config == "cachescout-lmcache":
         kvt = kv_transfer_config(dict(connector_extra or {}), lmcache=True)
     else:
@@ -566,7 +572,8 @@ def fast_prediction(sessions: Sequence[Session], gpu_blocks: int, policies: Sequ
 
 
 # Which fast-replay policy each served configuration corresponds to (GPU tier).
-FAST_COUNTERPART = {"prefix": "lru", "lmcache": "lru", "cachescout": "cachescout", "cachescout-lmcache": "cachescout"}
+FAST_COUNTERPART = {"prefix": "lru", "lmcache": "lru", "cachescout": "cachescout", "cachescout-lmcache": "cachescout",
+                    "cachescout-observe": "lru"}
 
 
 def run_workloads(workloads: Sequence[tuple[str, Sequence[Session]]], options: ServeOptions,

@@ -1,6 +1,8 @@
 """The real-server harness's figures that need no server: what the fast replay predicts for the
 served calls, and the bound it prints beside the measured table."""
 
+import pytest
+
 from cachescout.bench import serve
 from cachescout.bench.run import calibrate_gpu_blocks
 from cachescout.bench.workloads import WorkloadSpec, generate
@@ -82,3 +84,29 @@ def test_the_real_server_section_says_how_many_rounds_its_figures_average(tmp_pa
     assert results.main(["--out", str(doc), "--sections-only", "--real-engine", str(src)]) == 0
     section = results.kept_sections(str(doc), (results.ENGINE_TITLE,))[results.ENGINE_TITLE]
     assert "--serve-repeats 3" in section and "ran 3\ntimes" in section and "500 ±25 ms" in section
+
+
+def test_a_control_run_follows_the_main_tables_with_its_own_command(tmp_path):
+    import json
+
+    from cachescout.bench import report as results
+
+    def run(configs):
+        rows = [dict(_PREFIX_ROW, config=c, rounds=3, ttft_mean_ms_sd=20.0) for c in configs]
+        return {"engine": "serve", "workloads": [{"name": "swebench", "results": rows, "outputs_identical": True,
+                                                  "calls": 10, "gpu_blocks": 64, "block_size": 32, "fast": {},
+                                                  "options": {"time_scale": 0.05, "max_output": 32}}]}
+    main, control = tmp_path / "serve.json", tmp_path / "control.json"
+    main.write_text(json.dumps(run(["prefix", "cachescout"])))
+    control.write_text(json.dumps(run(["prefix", "cachescout-observe", "cachescout"])))
+    doc = tmp_path / "results.md"
+    doc.write_text("# Results\n\n## Reading the figures\n\nText.\n")
+    assert results.main(["--out", str(doc), "--sections-only", "--real-engine", str(main),
+                         "--real-engine", str(control)]) == 0
+    section = results.kept_sections(str(doc), (results.ENGINE_TITLE,))[results.ENGINE_TITLE]
+    assert "--serve-configs prefix,cachescout-observe,cachescout" in section
+    assert section.index("cachescout-observe  ") > section.index("control `cachescout-observe`")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    with pytest.raises(SystemExit):
+        results.main(["--out", str(doc), "--sections-only", "--real-engine", str(main), "--real-engine", str(bad)])
