@@ -203,7 +203,11 @@ def server_settings(config: str, options: ServeOptions, redis_url: str | None, w
     from cachescout.connector.deploy_config import connector_entry, kv_transfer_config, lmcache_yaml
 
     args: list[str] = []
-    env: dict[str, str] = {}
+    # vLLM's CPU backend keeps cores for its other processes: one, or two when a KV connector is
+    # configured; on a 2-core machine two is every core, so it reserves none and the model gets
+    # both, and the configurations with a connector would prefill on twice the cores of `prefix`.
+    # One number for all of them (the user's, else vLLM's own without a connector).
+    env: dict[str, str] = {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
     lmcache = config in ("lmcache", "cachescout-lmcache")
     if lmcache:
         cpu_gib = max(options.cpu_ratio * options.gpu_blocks * BLOCK_SIZE * kv_bytes_per_token(options) / 2**30,

@@ -110,3 +110,21 @@ def test_a_control_run_follows_the_main_tables_with_its_own_command(tmp_path):
     bad.write_text("{}")
     with pytest.raises(SystemExit):
         results.main(["--out", str(doc), "--sections-only", "--real-engine", str(main), "--real-engine", str(bad)])
+
+
+def test_every_configuration_runs_on_the_same_cores(tmp_path, monkeypatch):
+    # vLLM's CPU backend reserves a second core when a KV connector is configured (on 2 cores: none
+    # left to reserve, so the model gets both): unpinned, the connector configurations prefilled on
+    # twice the cores of `prefix`, and the harness measured that as a TTFT gain.
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4,
+                                                      "num_hidden_layers": 2}))
+    options = serve.ServeOptions(model=str(tmp_path), gpu_blocks=64)
+    monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    envs = [serve.server_settings(c, options, "redis://127.0.0.1:1", tmp_path)[1]
+            for c in serve.CONFIGS + serve.CONTROLS]
+    reserved = {env.get("VLLM_CPU_NUM_OF_RESERVED_CPU") for env in envs}
+    assert reserved == {"1"}
+    monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")                 # the user's choice, for all
+    assert serve.server_settings("cachescout", options, None, tmp_path)[1]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
