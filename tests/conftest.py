@@ -16,10 +16,12 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 # -- a real redis-server on 127.0.0.1 -------------------------------------------------------------
+import random  # noqa: E402
 import shutil  # noqa: E402
 import signal  # noqa: E402
 import socket  # noqa: E402
 import subprocess  # noqa: E402
+import tempfile  # noqa: E402
 import time  # noqa: E402
 
 import pytest  # noqa: E402
@@ -53,23 +55,28 @@ class RedisServer:
         return args + self.extra
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    if "--tls-port" in self.extra:
-                        return
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
-                    c.sendall(b"PING\r\n")
-                    if c.recv(64).startswith((b"+PONG", b"-NOAUTH")):
-                        return
-            except OSError:
-                pass
-            if time.monotonic() > deadline or self.proc.poll() is not None:
-                self.stop()
-                raise RuntimeError("redis-server did not start")
-            time.sleep(0.05)
+        # redis-server logs to stdout; kept (unlinked file) so that a failed start says why.
+        with tempfile.TemporaryFile() as log:
+            self.proc = subprocess.Popen(self.args(), stdout=log, stderr=subprocess.STDOUT)
+            deadline = time.monotonic() + 10
+            while not self._answers():
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    self.stop()
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+                    raise RuntimeError(f"redis-server on port {self.port} did not start: " + " | ".join(tail))
+                time.sleep(0.05)
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                if "--tls-port" in self.extra:
+                    return True
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as c:
+                c.sendall(b"PING\r\n")
+                return c.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+        except OSError:
+            return False
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
@@ -92,9 +99,28 @@ class RedisServer:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port below the kernel's ephemeral range.
+
+    A port the kernel handed out (bind to 0) is an ephemeral one: while a test's redis-server is
+    killed, any outgoing connection on the machine (a client retrying that very port included, by
+    TCP self-connect) may take it as its local port, and the restart then fails with "address in
+    use". Ports below the ephemeral range are never given to outgoing connections."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(max(1024, low // 2), max(1025, low))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free loopback port below the ephemeral range")
 
 
 def make_certs(d: str) -> None:
