@@ -347,6 +347,8 @@ async def _replay(sessions: Sequence[Session], url: str, options: ServeOptions,
     records: list[CallRecord] = []
     start = time.perf_counter()
     pending: set[asyncio.Task] = set()
+    failures: list[BaseException] = []
+    settled = asyncio.Event()            # set when every call is done or one failed
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as http:
 
@@ -354,8 +356,11 @@ async def _replay(sessions: Sequence[Session], url: str, options: ServeOptions,
             await asyncio.sleep(max(0.0, start + at * options.time_scale - time.perf_counter()))
             call = s.calls[k]
             tokens = call_tokens(call)
-            ttft, latency, produced, text = await _one_call(http, url, tokens, min(options.max_output,
-                                                            max(1, call.output_len)), options.call_timeout_s)
+            try:
+                ttft, latency, produced, text = await _one_call(http, url, tokens, min(options.max_output,
+                                                                max(1, call.output_len)), options.call_timeout_s)
+            except Exception as e:
+                raise ExternalError(f"session {s.session_id} call {k}: {type(e).__name__}: {e}") from e
             records.append(CallRecord(s.session_id, k, len(tokens), ttft, latency, produced, text))
             if progress:
                 progress(len(records), flow.total_calls)
@@ -363,20 +368,30 @@ async def _replay(sessions: Sequence[Session], url: str, options: ServeOptions,
             for when, s2, k2 in flow.finished(s, k, now):
                 spawn(when, s2, k2)
 
+        # Every task is checked when it ends (a callback, not a wait over a snapshot of tasks: a
+        # call started and failed while such a wait ran would go unseen, and its session's later
+        # calls would silently never be issued).
+        def ended(task: asyncio.Task) -> None:
+            pending.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                failures.append(task.exception())  # type: ignore[arg-type]
+            if failures or not pending:
+                settled.set()
+
         def spawn(at: float, s: Session, k: int) -> None:
             task = asyncio.ensure_future(issue(at, s, k))
             pending.add(task)
-            task.add_done_callback(pending.discard)
+            task.add_done_callback(ended)
 
         for at, s, k in flow.initial():
             spawn(at, s, k)
-        while pending:
-            done, _ = await asyncio.wait(set(pending), return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if task.exception() is not None:
-                    for other in pending:
-                        other.cancel()
-                    raise task.exception()  # type: ignore[misc]
+        await settled.wait()
+        for task in list(pending):
+            task.cancel()
+        if failures:
+            raise failures[0]
+    if len(records) != flow.total_calls:
+        raise ExternalError(f"{len(records)} of {flow.total_calls} calls were answered")
     return records
 
 

@@ -1,6 +1,7 @@
 """The real-server harness's figures that need no server: what the fast replay predicts for the
 served calls, and the bound it prints beside the measured table."""
 
+import dataclasses
 import json
 
 import pytest
@@ -104,13 +105,18 @@ def test_a_control_run_follows_the_main_tables_with_its_own_command(tmp_path):
         _section(tmp_path, main, {})
 
 
+def _model_folder(folder):
+    """A model folder as far as ServeOptions looks (its config.json), for harness code run without a server."""
+    (folder / "config.json").write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4,
+                                                    "num_hidden_layers": 2}))
+    return folder
+
+
 def test_every_configuration_runs_on_the_same_cores(tmp_path, monkeypatch):
     # vLLM's CPU backend reserves a second core when a KV connector is configured (on 2 cores: none
     # left to reserve, so the model gets both): unpinned, the connector configurations prefilled on
     # twice the cores of `prefix`, and the harness measured that as a TTFT gain.
-    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 256, "num_attention_heads": 4,
-                                                      "num_hidden_layers": 2}))
-    options = serve.ServeOptions(model=str(tmp_path), gpu_blocks=64)
+    options = serve.ServeOptions(model=str(_model_folder(tmp_path)), gpu_blocks=64)
     monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
     envs = [serve.server_settings(c, options, "redis://127.0.0.1:1", tmp_path)[1]
             for c in serve.CONFIGS + serve.CONTROLS]
@@ -118,3 +124,47 @@ def test_every_configuration_runs_on_the_same_cores(tmp_path, monkeypatch):
     assert reserved == {"1"}
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")                 # the user's choice, for all
     assert serve.server_settings("cachescout", options, None, tmp_path)[1]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_a_failed_call_fails_the_replay_and_names_the_call(tmp_path):
+    """A call that fails while earlier ones are still running (here session A's first call is slow
+    and session B's second call gets HTTP 500) must end the replay with an error naming it, not
+    leave its session's later calls silently unissued."""
+    import asyncio
+
+    from aiohttp import web
+
+    a, b = (dataclasses.replace(s, arrival_s=0.0) for s in
+            serve.as_served(generate(WorkloadSpec(family="gsm8k", sessions=2)), 4))
+    assert len(b.calls) >= 3
+    slow, failing = serve.call_tokens(a.calls[0]), serve.call_tokens(b.calls[1])
+    seen = []
+
+    async def completions(request):
+        prompt = (await request.json())["prompt"]
+        seen.append(prompt)
+        if prompt == failing:
+            return web.Response(status=500, text="injected")
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await asyncio.sleep(1.0 if prompt == slow else 0.0)
+        await resp.write(b'data: {"choices": [{"text": "x"}]}\n\ndata: [DONE]\n\n')
+        return resp
+
+    async def run():
+        app = web.Application()
+        app.router.add_post("/v1/completions", completions)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            options = serve.ServeOptions(model=str(_model_folder(tmp_path)), gpu_blocks=64, time_scale=0.001)
+            return await serve._replay([a, b], f"http://127.0.0.1:{port}", options, None)
+        finally:
+            await runner.cleanup()
+
+    with pytest.raises(serve.ExternalError, match=rf"session {b.session_id} call 1: .*HTTP 500"):
+        asyncio.run(run())
+    assert failing in seen and serve.call_tokens(b.calls[2]) not in seen
