@@ -349,7 +349,10 @@ async def _replay(sessions: Sequence[Session], url: str, options: ServeOptions,
     pending: set[asyncio.Task] = set()
     failures: list[BaseException] = []
     settled = asyncio.Event()            # set when every call is done or one failed
-    connector = aiohttp.TCPConnector(limit=0)
+    # A new connection per call: a pooled one that sat idle through a think time may be closed by
+    # the server (uvicorn's keep-alive timeout) just as it is reused, and the call then fails
+    # with "connection reset by peer" through no fault of the server.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(connector=connector) as http:
 
         async def issue(at: float, s: Session, k: int) -> None:
