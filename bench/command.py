@@ -13,7 +13,7 @@ from cachescout.policy import InputError
 
 EXIT_ERROR = 1
 SERVE_CONFIGS = ("prefix", "lmcache", "cachescout", "cachescout-lmcache")   # bench/serve.py's CONFIGS
-SERVE_CONTROLS = ("cachescout-observe",)                                     # ... and CONTROLS
+SERVE_CONTROLS = ("cachescout-observe", "cachescout-lmcache-warmup")        # ... and CONTROLS
 _COUNT = 10**9            # sessions, blocks: far above any machine's
 _SECONDS = 10**9
 DESCRIPTION = ("Replay the built-in multi-agent workloads (or a trace) on a vLLM-semantics prefix cache "
@@ -45,7 +45,8 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
     s = b.add_argument_group("--engine serve")
     s.add_argument("--serve-configs", default=",".join(SERVE_CONFIGS),
                    help=f"server configurations (default {','.join(SERVE_CONFIGS)}; also "
-                        f"{','.join(SERVE_CONTROLS)}: CacheScout loaded but not steering, a control)")
+                        "cachescout-observe: CacheScout loaded but not steering, a control; "
+                        "cachescout-lmcache-warmup: cachescout-lmcache with GPU warm-ups)")
     s.add_argument("--serve-model", default=None, metavar="DIR",
                    help="model folder (default: the tiny random Llama, built once by "
                         "python -m cachescout.bench.tiny_model)")

@@ -21,7 +21,10 @@ Configurations (`CONFIGS`):
   LMCache's CPU tier ranked by CacheScout;
 - `cachescout-observe` (not run by default): CacheScoutConnector loaded but not steering
   (`steer_gpu` false), so vLLM evicts by LRU with a connector in place: the control that tells
-  what CacheScout's eviction order does from what having a KV connector does to vLLM.
+  what CacheScout's eviction order does from what having a KV connector does to vLLM;
+- `cachescout-lmcache-warmup` (not run by default): `cachescout-lmcache` with GPU warm-ups
+  (`gpu_warmup_url` this server's address, connector/gpu_warmup.py): predicted anchors missing
+  from the GPU cache are brought back, from LMCache's CPU tier, by one-token requests between calls.
 
 Semantics: the next prompt of a session holds the workload's recorded outputs, not what this
 model generated, so an output's own blocks are never reused (the fast replay assumes they are);
@@ -60,7 +63,8 @@ from .replay import SessionFlow
 from .workloads import Session
 
 CONFIGS = ("prefix", "lmcache", "cachescout", "cachescout-lmcache")     # run by default
-CONTROLS = ("cachescout-observe",)                                        # on request
+CONTROLS = ("cachescout-observe", "cachescout-lmcache-warmup")            # on request
+LMCACHE_CONFIGS = ("lmcache", "cachescout-lmcache", "cachescout-lmcache-warmup")   # with LMCache's tiers
 BLOCK_SIZE = 32             # the CPU attention backend needs a multiple of 32
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _METRIC = re.compile(r"^(vllm:[a-z_]+?)(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$")
@@ -197,9 +201,10 @@ def kv_bytes_per_token(options: ServeOptions) -> int:
 
 
 def server_settings(config: str, options: ServeOptions, redis_url: str | None, work: Path,
-                    connector_extra: dict | None = None) -> tuple[list[str], dict]:
+                    connector_extra: dict | None = None, url: str | None = None) -> tuple[list[str], dict]:
     """The server's extra arguments and environment for one configuration; `connector_extra`:
-    CacheScout's kv_connector_extra_config (e.g. a shared_state)."""
+    CacheScout's kv_connector_extra_config (e.g. a shared_state); `url`: the server's own address
+    (where GPU warm-ups go)."""
     from cachescout.connector.deploy_config import connector_entry, kv_transfer_config, lmcache_yaml
 
     args: list[str] = []
@@ -208,7 +213,7 @@ def server_settings(config: str, options: ServeOptions, redis_url: str | None, w
     # both, and the configurations with a connector would prefill on twice the cores of `prefix`.
     # One number for all of them (the user's, else vLLM's own without a connector).
     env: dict[str, str] = {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
-    lmcache = config in ("lmcache", "cachescout-lmcache")
+    lmcache = config in LMCACHE_CONFIGS
     if lmcache:
         cpu_gib = max(options.cpu_ratio * options.gpu_blocks * BLOCK_SIZE * kv_bytes_per_token(options) / 2**30,
                       1e-3)
@@ -228,6 +233,8 @@ def server_settings(config: str, options: ServeOptions, redis_url: str | None, w
         kvt = connector_entry({**(connector_extra or {}), "steer_gpu": False})
     elif config == "cachescout-lmcache":
         kvt = kv_transfer_config(dict(connector_extra or {}), lmcache=True)
+    elif config == "cachescout-lmcache-warmup":
+        kvt = kv_transfer_config({**(connector_extra or {}), "gpu_warmup_url": url}, lmcache=True)
     else:
         kvt = None
     if kvt is not None:
@@ -244,7 +251,7 @@ class Server:
         self.config = config
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        extra, settings_env = server_settings(config, options, redis_url, work, connector_extra)
+        extra, settings_env = server_settings(config, options, redis_url, work, connector_extra, self.url)
         env = {**settings_env, **(env or {})}
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", options.model,
                "--served-model-name", "model", "--host", "127.0.0.1", "--port", str(self.port),
@@ -433,7 +440,7 @@ def run_config(config: str, sessions: Sequence[Session], options: ServeOptions, 
                          f"{BLOCK_SIZE}; give more gpu_blocks")
     max_len = min(options.gpu_blocks * BLOCK_SIZE, -(-longest // BLOCK_SIZE) * BLOCK_SIZE)
     with contextlib.ExitStack() as stack:
-        redis_url = stack.enter_context(redis_server(work)) if config in ("lmcache", "cachescout-lmcache") else None
+        redis_url = stack.enter_context(redis_server(work)) if config in LMCACHE_CONFIGS else None
         if progress:
             progress(f"{config}: starting vLLM")
         server = Server(config, options, max_len, work, redis_url)
@@ -593,7 +600,7 @@ def fast_prediction(sessions: Sequence[Session], gpu_blocks: int, policies: Sequ
 
 # Which fast-replay policy each served configuration corresponds to (GPU tier).
 FAST_COUNTERPART = {"prefix": "lru", "lmcache": "lru", "cachescout": "cachescout", "cachescout-lmcache": "cachescout",
-                    "cachescout-observe": "lru"}
+                    "cachescout-observe": "lru", "cachescout-lmcache-warmup": "cachescout"}
 
 
 def run_workloads(workloads: Sequence[tuple[str, Sequence[Session]]], options: ServeOptions,
@@ -646,8 +653,25 @@ def format_report(report: dict[str, Any]) -> str:
         each = f", every configuration {rounds} rounds, interleaved (TTFT mean ±sd of rounds)" if rounds > 1 else ""
         table = render(f"{w['name']}: real vLLM server, {w['calls']} calls{each}, KV cache {w['gpu_blocks']} blocks "
                        f"of {w['block_size']}; greedy outputs {same} across configurations", rows)
-        parts.append(table + bound_line(w.get("fast", {})))
+        parts.append(table + bound_line(w.get("fast", {})) + anchor_line(w["results"]))
     return "\n\n".join(parts)
+
+
+def anchor_line(results: Sequence[dict[str, Any]]) -> str:
+    """What CacheScout's counters say of its configurations (calls only, warm-ups apart): how
+    often a call found its agent's whole anchor in the GPU cache, and the warm-ups sent."""
+    cells = []
+    for r in results:
+        c = r.get("cachescout") or {}
+        if not c.get("anchor_calls"):
+            continue
+        cell = f"{r['config']} {c['anchor_on_gpu'] / c['anchor_calls']:.1%} of {c['anchor_calls']:.0f}"
+        if c.get("warmups_offered") or c.get("warmup_tokens"):
+            cell += (f" ({c.get('warmups_sent', 0):.0f} warm-ups, {c.get('warmup_tokens', 0):.0f} tokens; "
+                     f"{c.get('warmed_on_gpu', 0):.0f} of {c.get('warmed_calls', 0):.0f} warmed calls found it; "
+                     f"{c.get('warmups_no_room', 0):.0f} not sent for lack of dead room)")
+        cells.append(cell)
+    return "\nAnchor on the GPU at the call (CacheScout's counters): " + "; ".join(cells) if cells else ""
 
 
 def bound_line(fast: dict[str, dict[str, float]]) -> str:

@@ -42,6 +42,8 @@ from typing import Any, Final
 
 from cachescout.policy import CacheScoutPolicy, Hints, block_keys
 
+from .gpu_warmup import WARMUP_KEY
+
 _MAX_STALE_ROUNDS: Final = 4   # victim lists re-asked after dropping evicted blocks from the mirror
 _ARRIVAL_DECAY: Final = 0.9    # per step, of the peak of blocks taken by requests arriving between steps
 _PLACE_FACTOR: Final = 2       # victims placed per victim wanted: the list lasts a few steps
@@ -57,6 +59,9 @@ class _Tracked:
     filed: int = 0          # leading blocks whose (key -> block) is recorded
     prompt_blocks: int = 0  # full blocks of the prompt (the rest were filled by decode)
     local_hit_tokens: int = 0
+    warmup: str | None = None   # a warm-up of this agent's anchor (gpu_warmup.py), not a call
+    anchor_blocks: int = 0      # a call of an agent with a known anchor: that anchor's length
+    warmed: bool = False        # ... and a warm-up of that anchor was sent since its agent's last call
 
 
 class GpuSteering:
@@ -96,6 +101,10 @@ class GpuSteering:
         self.stats: Counter[str] = Counter()
         # agent -> (its anchor's token ids, the LMCache request configs its prompts carried)
         self.anchors: dict[str, tuple[list[int], dict]] = {}
+        self.anchor_keys: dict[str, list] = {}               # agent -> its anchor's block keys
+        self.warmed: set[str] = set()     # agents warmed up since their last call (scheduler_side.py)
+        self._warmups: dict[str, str] = {}                   # request id -> agent, of warm-ups not yet allocated
+        self._anchor_of: dict[str, tuple[int, bool]] = {}    # request id -> (anchor blocks, warmed), until allocated
 
     # -- binding ----------------------------------------------------------------------------------
     def bind(self, pool: Any, req_blocks: Callable[[str], Sequence[Any]]) -> None:
@@ -142,13 +151,19 @@ class GpuSteering:
         keys_of = self._keys
         arrived_now = set()
         for request in self._new:
-            arrived_now.add(request.request_id)
-            hints, bad = Hints.from_params(getattr(request, "kv_transfer_params", None))
-            if bad:
-                self.stats["bad_hints"] += len(bad)
-            keys = keys_of[request.request_id] = block_keys(request.block_hashes)
-            obs = policy.observe(request.request_id, keys, tokens=request.prompt_token_ids, hints=hints, now=now)
-            self._note_anchor(request, obs)
+            rid = request.request_id
+            arrived_now.add(rid)
+            params = getattr(request, "kv_transfer_params", None)
+            keys = keys_of[rid] = block_keys(request.block_hashes)
+            warmup = params.get(WARMUP_KEY) if isinstance(params, dict) else None
+            if isinstance(warmup, str) and warmup in self.anchor_keys:
+                self._warmups[rid] = warmup    # not a call: the policy learns nothing from it
+                continue
+            hints, bad = Hints.from_params(params)
+            if bad or warmup is not None:
+                self.stats["bad_hints"] += len(bad) + (warmup is not None)
+            obs = policy.observe(rid, keys, tokens=request.prompt_token_ids, hints=hints, now=now)
+            self._note_anchor(request, obs, keys)
         self._new.clear()
         unplanned = 0
         for rid, t in self._allocated.items():
@@ -156,6 +171,8 @@ class GpuSteering:
             t.keys = keys = got if got is not None else block_keys(t.request.block_hashes)
             if rid in arrived_now:
                 unplanned += len(keys) + 1 - t.local_hit_tokens // policy.cfg.block_size
+            t.warmup = self._warmups.pop(rid, None)
+            t.anchor_blocks, t.warmed = self._anchor_of.pop(rid, (0, False))
             self._admit(t)
             self._running[rid] = t
         self._allocated.clear()
@@ -166,6 +183,8 @@ class GpuSteering:
             rid = request.request_id
             self._hit_tokens.pop(rid, None)
             self._keys.pop(rid, None)   # finished (aborted) before it was ever allocated
+            self._warmups.pop(rid, None)
+            self._anchor_of.pop(rid, None)
             tracked = self._running.pop(rid, None)
             self._release(tracked if tracked is not None else _Tracked(request), now)
         self._finished.clear()
@@ -208,12 +227,16 @@ class GpuSteering:
                 hi = mid
         return lo
 
-    def _note_anchor(self, request: Any, obs: Any) -> None:
-        """Remember each agent's anchor tokens (and LMCache tags), for prefetching it on workers."""
+    def _note_anchor(self, request: Any, obs: Any, keys: list) -> None:
+        """Remember each agent's anchor tokens (and LMCache tags), for prefetching it on workers
+        and warming it up on the GPU; count the calls that could find it cached."""
         agent = obs.agent
-        n = obs.fingerprint.anchor_blocks * self.policy.cfg.block_size
+        blocks = obs.fingerprint.anchor_blocks
+        n = blocks * self.policy.cfg.block_size
         if agent is None or not n or obs.fingerprint.agent is None:
             return
+        self._anchor_of[request.request_id] = (blocks, agent in self.warmed)
+        self.warmed.discard(agent)      # a warm-up serves the agent's next call only
         known = self.anchors.get(agent)
         if known is not None and len(known[0]) == n:
             return
@@ -222,6 +245,32 @@ class GpuSteering:
         params = getattr(request, "kv_transfer_params", None) or {}
         tags = {k: v for k, v in params.items() if isinstance(k, str) and k.startswith("lmcache.")}
         self.anchors[agent] = (list(request.prompt_token_ids[:n]), tags)
+        self.anchor_keys[agent] = list(keys[:blocks])
+
+    # -- what GPU warm-ups ask (scheduler_side.py) ----------------------------------------------------
+    def anchor_missing(self, agent: str) -> int:
+        """How many of `agent`'s anchor blocks the GPU cache lacks (its leading cached run counted)."""
+        keys = self.anchor_keys.get(agent)
+        return 0 if not keys else len(keys) - self._cached_prefix(keys)
+
+    def prefill_idle(self) -> bool:
+        """Nothing waits to be scheduled and every running request is decoding: a prefill now
+        takes only compute the running requests leave unused."""
+        if self.pool is None or self._new or self._keys or self._allocated or len(self._running) >= self.max_seqs:
+            return False
+        return all(t.request.num_computed_tokens >= t.request.num_prompt_tokens for t in self._running.values())
+
+    def empty_blocks(self, at_most: int) -> int:
+        """Free blocks holding nothing cached at the free queue's head (up to `at_most`): room a
+        prefill takes without evicting anything."""
+        queue = self.pool.free_block_queue
+        tail = queue.fake_free_list_tail
+        b = queue.fake_free_list_head.next_free_block
+        n = 0
+        while b is not tail and b.block_hash is None and n < at_most:
+            n += 1
+            b = b.next_free_block
+        return n
 
     def _admit(self, t: _Tracked) -> None:
         """A request's first allocation: file its prompt blocks (hits are acquired)."""
@@ -229,9 +278,22 @@ class GpuSteering:
         policy = self.policy
         keys = t.keys
         num_cached = t.local_hit_tokens // policy.cfg.block_size
+        t.prompt_blocks = len(keys)
+        if t.warmup is not None:
+            # Its blocks are filed where vLLM put them; the policy hears of them when it ends.
+            self.stats["warmup_tokens"] += request.num_prompt_tokens
+            self._file_new_blocks(t)
+            return
         self.stats["prompt_tokens"] += request.num_prompt_tokens
         self.stats["gpu_hit_tokens"] += t.local_hit_tokens
-        t.prompt_blocks = len(keys)
+        policy.prefetch_hits(keys[:num_cached])     # warm-ups' blocks this call used
+        if t.anchor_blocks:
+            on_gpu = num_cached >= t.anchor_blocks
+            self.stats["anchor_calls"] += 1
+            self.stats["anchor_on_gpu"] += on_gpu
+            if t.warmed:
+                self.stats["warmed_calls"] += 1
+                self.stats["warmed_on_gpu"] += on_gpu
         # Keys the mirror still has past the hit may have been evicted since: check them first.
         for key in keys[num_cached:]:
             if key in self._where:
@@ -271,20 +333,31 @@ class GpuSteering:
             key_at[blk.block_id] = key
             i += 1
         t.filed = i
-        if i > t.prompt_blocks and t.prompt_blocks:
+        if i > t.prompt_blocks and t.prompt_blocks and t.warmup is None:
             self.policy.extend_blocks(t.request.request_id, keys[max(start, t.prompt_blocks):i])
 
     def _release(self, t: _Tracked, now: float) -> None:
         """After vLLM freed a finished request's blocks: those nobody holds become evictable."""
         request = t.request
-        # Only the output's first `session_window_tokens` are read (its leading content chunks).
-        window = self.policy.cfg.session_window_tokens
-        self.policy.finish(request.request_id, now, output_tokens=request.output_token_ids[:window])
+        if t.warmup is None:
+            # Only the output's first `session_window_tokens` are read (its leading content chunks).
+            window = self.policy.cfg.session_window_tokens
+            self.policy.finish(request.request_id, now, output_tokens=request.output_token_ids[:window])
         freed = []
         for key in reversed(t.keys[:t.filed]):   # tail first, the order vLLM frees in
             blk = self._located(key)
             if blk is not None and blk.ref_cnt == 0:
                 freed.append(key)
+        if t.warmup is not None:
+            # The anchor blocks it brought in are a prefetch of that anchor: filed in its group,
+            # then judged used or wasted (the policy's prefetch precision).
+            hit = t.local_hit_tokens // self.policy.cfg.block_size
+            new = set(t.keys[hit:t.filed])
+            brought = [k for k in freed if k in new]
+            if brought:
+                self.policy.blocks_prefetched(brought, t.warmup, now)
+                self.stats["warmup_blocks"] += len(brought)
+            freed = [k for k in freed if k not in new]
         if freed:
             self.policy.blocks_freed(freed, now)
 

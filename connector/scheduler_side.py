@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from cachescout.policy import CacheScoutPolicy
 
 from .gpu_steering import GpuSteering
+from .gpu_warmup import WarmupSender
 from .reporting import CacheScoutMetadata, CounterReport
 from .settings import ConnectorSettings
 from .shared_state import SharedLearnedState
@@ -29,12 +31,15 @@ log = logging.getLogger("cachescout.connector")
 _SCORES_INTERVAL_S = 1.0   # agent scores go to the workers at most this often
 _REPORT_INTERVAL_S = 1.0   # counters go to vLLM's metrics about this often
 _POLICY_COUNTERS = ("predictions", "predictions_correct", "requests", "recognised")
+_WARMUP_CHECK_S = 0.2      # GPU warm-ups are considered at most this often
 
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, *, budget_tokens: int, max_seqs: int,
-                 shared: Callable[[], SharedLearnedState] | None = None) -> None:
-        """`shared` builds the shared state (None: this replica learns alone)."""
+                 shared: Callable[[], SharedLearnedState] | None = None,
+                 warmup: Callable[[], WarmupSender] | None = None) -> None:
+        """`shared` builds the shared state (None: this replica learns alone); `warmup` the sender
+        of GPU warm-ups (None: none are sent)."""
         self.settings = settings
         self.policy = CacheScoutPolicy(settings.policy)
         self.steering = GpuSteering(self.policy, ahead_blocks=settings.steer_ahead_blocks,
@@ -48,6 +53,9 @@ class SchedulerSide:
         self._scores_epoch = -1
         self._scores_sent_at = float("-inf")
         self._prefetch_sent: set[str] = set()
+        self.warmup = warmup() if warmup is not None else None
+        self._warm_checked_at = float("-inf")
+        self.warm_stats: Counter[str] = Counter()
         self.shared: SharedLearnedState | None = None
         if shared is not None:
             self.shared = shared()
@@ -84,6 +92,10 @@ class SchedulerSide:
         if not self.failed:
             t0 = time.thread_time()
             self._safely(self.steering.finished, request)
+            # vLLM takes no step while no request is in flight: the end of the last one is the
+            # last chance to warm up what the next call will need.
+            if self.warmup is not None:
+                self._warm_up()
             self.decision_s += time.thread_time() - t0
 
     def step(self) -> CacheScoutMetadata:
@@ -102,6 +114,8 @@ class SchedulerSide:
                 log.exception("CacheScout: could not install the shared model; sharing is off")
                 self.shared.close(final_flush=False)
                 self.shared = None
+        if self.warmup is not None:
+            self._warm_up()
         self.steps += 1
         meta = CacheScoutMetadata()
         # Workers get the agents' scores after a rescoring, at most once a second (LMCache's
@@ -131,6 +145,48 @@ class SchedulerSide:
         self._prefetch_sent = likely
         return [anchors[a] for a in sorted(new)]
 
+    def _warm_up(self) -> None:
+        """Send a warm-up of the most likely next agent's anchor (gpu_warmup.py) when: none is in
+        flight; nothing waits and every running request decodes (the prefill uses compute they
+        leave unused); the agent is predicted as prefetches are (`prefetch_min_probability`,
+        `prefetch_min_confidence`, which carry the LRU guard's trust: when the model is not
+        trusted, nothing is sent); its anchor is not all on the GPU; the blocks it needs are empty
+        or predicted dead (`room_is_dead`: a warm-up never displaces a likely hit); and the
+        prefetches judged so far were mostly used. One per agent until that agent is called."""
+        warmup = self.warmup
+        steering = self.steering
+        now = steering.clock()
+        if warmup is None or warmup.busy or now - self._warm_checked_at < _WARMUP_CHECK_S:
+            return
+        self._warm_checked_at = now
+        try:
+            if not steering.prefill_idle():
+                return
+            policy = self.policy
+            cfg = policy.cfg
+            probs = policy.next_agent_probabilities()
+            likely = sorted(((p, a) for a, (p, conf) in probs.items()
+                             if p >= cfg.prefetch_min_probability and conf >= cfg.prefetch_min_confidence
+                             and a in steering.anchors and a not in steering.warmed), reverse=True)
+            for _, agent in likely:
+                missing = steering.anchor_missing(agent)
+                if not missing:
+                    continue
+                if not policy.prefetch_round():
+                    return
+                if steering.empty_blocks(missing + 1) <= missing and not policy.room_is_dead(now):
+                    self.warm_stats["warmups_no_room"] += 1
+                    return
+                tokens, tags = steering.anchors[agent]
+                if warmup.offer(agent, tokens, tags):
+                    steering.warmed.add(agent)
+                    self.warm_stats["warmups_offered"] += 1
+                return
+        except Exception:
+            log.exception("CacheScout: GPU warm-ups failed and are off; serving and steering go on")
+            warmup.close()
+            self.warmup = None
+
     def _safely(self, work: Callable[..., None], *args: Any) -> None:
         """Run steering work unless CacheScout is off; on any failure never take the scheduler
         down: steering goes off for good and vLLM's own order stands."""
@@ -154,6 +210,9 @@ class SchedulerSide:
         now: dict[str, float] = dict(self.steering.stats)
         for k in _POLICY_COUNTERS:
             now[k] = self.policy.stats.get(k, 0)
+        now.update(self.warm_stats)
+        if self.warmup is not None:
+            now.update(self.warmup.stats)
         now["decision_s"] = self.decision_s
         now["steps"] = self.steps
         now["failed"] = int(self.failed)
@@ -172,6 +231,9 @@ class SchedulerSide:
         return delta or None
 
     def shutdown(self) -> None:
+        if self.warmup is not None:
+            self.warmup.close()
+            self.warmup = None
         if self.shared is not None:
             self.shared.close()   # last flush, bounded by the client's short timeouts
             self.shared = None

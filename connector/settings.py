@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 from cachescout.policy import ConfigError, PolicyConfig, check_fields, check_mapping, reject_unknown, setting
 
@@ -28,10 +29,16 @@ class ConnectorSettings:
         1.5, "... or this many times the most blocks the next step can allocate", lo=0, hi=1_000_000)
     store_wait_ms: float = setting(
         50.0, "LMCache store path: wait this long for CPU-tier room before dropping", lo=0, hi=10_000)
+    gpu_warmup_url: str | None = setting(
+        None, "this server's address (http://127.0.0.1:8000): prefetch predicted anchors into the GPU cache "
+              "with warm-up requests to it; off without it")
+    gpu_warmup_timeout_s: float = setting(30.0, "a warm-up request's HTTP timeout", lo=0.1, hi=3600)
     shared_state: SharedStateSettings | None = None   # learn with the other replicas through Redis
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.gpu_warmup_url is not None:
+            _check_http_url(self.gpu_warmup_url, "kv_connector_extra_config.gpu_warmup_url")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None, *, block_size: int | None = None,
@@ -62,3 +69,20 @@ class ConnectorSettings:
             shared = SharedStateSettings.from_mapping(shared, "kv_connector_extra_config.shared_state",
                                                       check_environment=check_environment)
         return cls(policy=policy_cfg, shared_state=shared, **extra)
+
+
+def _check_http_url(url: str, where: str) -> None:
+    """ConfigError unless `url` is http(s)://host[:port] with a valid port (and no path but /)."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https"):
+        raise ConfigError(f"{where} must start with http:// or https://, got {url[:40]!r}")
+    try:
+        port = parts.port
+    except ValueError:
+        port = 0
+    if port == 0:
+        raise ConfigError(f"{where} has an invalid port (an integer in 1..65535): {parts.netloc!r:.80}")
+    if not parts.hostname:
+        raise ConfigError(f"{where} names no host: {url[:40]!r}")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"{where} is the server's address only (e.g. http://127.0.0.1:8000), got {url[:80]!r}")

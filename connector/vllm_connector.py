@@ -33,6 +33,7 @@ from vllm.v1.metrics.utils import create_metric_per_engine
 from cachescout.policy import CacheScoutPolicy
 
 from .gpu_steering import GpuSteering
+from .gpu_warmup import LOWEST_PRIORITY, WarmupSender
 from .reporting import CacheScoutMetadata
 from .scheduler_side import SchedulerSide
 from .settings import ConnectorSettings
@@ -106,6 +107,17 @@ PROM_COUNTERS = {
     "prefetch_errors": "prefetches that failed (logged; serving unaffected)",
     "prefetch_used": "prefetched chunks read from the CPU tier before being evicted",
     "prefetch_wasted": "prefetched chunks evicted from the CPU tier unread",
+    # GPU warm-ups (gpu_warmup.py) and what they are for: a call finding its anchor on the GPU.
+    "anchor_calls": "calls of an agent whose anchor CacheScout knows",
+    "anchor_on_gpu": "of which found the whole anchor in the GPU prefix cache",
+    "warmed_calls": "calls of an agent whose anchor was warmed up since its previous call",
+    "warmed_on_gpu": "of which found the whole anchor in the GPU prefix cache",
+    "warmups_offered": "GPU warm-ups of a predicted agent's anchor handed to the sender",
+    "warmups_sent": "GPU warm-up requests the server answered",
+    "warmups_failed": "GPU warm-up requests that failed (logged once; serving unaffected)",
+    "warmups_no_room": "GPU warm-ups not sent: they would have displaced blocks predicted to be reused",
+    "warmup_tokens": "prompt tokens of GPU warm-up requests (not counted in prompt_tokens)",
+    "warmup_blocks": "blocks GPU warm-ups brought into the GPU prefix cache",
 }
 
 class CacheScoutPromMetrics(KVConnectorPromMetrics):
@@ -155,7 +167,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.WORKER:
             self.worker_side = WorkerSide(settings)
         elif role == KVConnectorRole.SCHEDULER:
-            shared = settings.shared_state
+            shared, warmup_url = settings.shared_state, settings.gpu_warmup_url
             self.scheduler_side = SchedulerSide(
                 settings, budget_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
                 max_seqs=vllm_config.scheduler_config.max_num_seqs,
@@ -163,7 +175,10 @@ class CacheScoutConnector(KVConnectorBase_V1):
                     shared, half_life=settings.policy.transition_half_life,
                     confidence_count_scale=settings.policy.confidence_count_scale,
                     model=_model_name(vllm_config), hash_domain=_hash_domain(vllm_config),
-                    replica_suffix=_dp_suffix(vllm_config)))
+                    replica_suffix=_dp_suffix(vllm_config)),
+                warmup=None if warmup_url is None else lambda: WarmupSender(
+                    warmup_url, _served_name(vllm_config), timeout_s=settings.gpu_warmup_timeout_s,
+                    priority=LOWEST_PRIORITY if vllm_config.scheduler_config.policy == "priority" else None))
 
     @property
     def policy(self) -> CacheScoutPolicy:
@@ -263,14 +278,19 @@ class CacheScoutConnector(KVConnectorBase_V1):
         return None
 
 
-def _model_name(vllm_config: VllmConfig) -> str:
-    """The served model's name as a key part (characters Redis keys and hash tags can carry)."""
+def _served_name(vllm_config: VllmConfig) -> str:
+    """The name clients give the model in API requests."""
     mc = vllm_config.model_config
     served = getattr(mc, "served_model_name", None)
     if isinstance(served, (list, tuple)):      # `--served-model-name a b`: the first is the model's name
         served = served[0] if served else None
-    name = served if isinstance(served, str) and served else mc.model
-    return "".join(c if c.isalnum() or c in "._:/@=+-" else "-" for c in str(name))[:128] or "model"
+    return served if isinstance(served, str) and served else str(mc.model)
+
+
+def _model_name(vllm_config: VllmConfig) -> str:
+    """The served model's name as a key part (characters Redis keys and hash tags can carry)."""
+    name = _served_name(vllm_config)
+    return "".join(c if c.isalnum() or c in "._:/@=+-" else "-" for c in name)[:128] or "model"
 
 
 def _dp_suffix(vllm_config: VllmConfig) -> str:

@@ -500,6 +500,12 @@ class CacheScoutPolicy:
         if self._prefetched:
             self._judge_prefetch(keys, True)
 
+    def prefetch_hits(self, keys: Sequence[Hashable]) -> None:
+        """A call hit these blocks (they are admitted by `admit_blocks` as usual): those that came
+        in by a prefetch count as used. For a cache that does not call `blocks_reused` on hits."""
+        if self._prefetched:
+            self._judge_prefetch(keys, True)
+
     def blocks_evicted(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
             self._index.discard(key)
@@ -548,9 +554,7 @@ class CacheScoutPolicy:
         """Prefetch actions for the anchors and session contexts the next calls most likely need
         (see prefetch.py)."""
         now = self.clock() if now is None else now
-        precision = self.prefetch_precision()
-        self._prefetch_rounds += 1
-        if precision is not None and precision < _PREFETCH_MIN_PRECISION and self._prefetch_rounds % _PREFETCH_PROBE:
+        if not self.prefetch_round():
             return []
         probs = self.next_agent_probabilities()
         inverse = {v: k for k, v in self._aliases.items()}
@@ -561,11 +565,9 @@ class CacheScoutPolicy:
                 candidates.append(PrefetchCandidate(agent, p, rec.anchor_path, conf))
         # Contexts: a session about to call again will reuse its context under its next agent.
         link = self._scorer.session_links()
-        self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
         # A context prefetched from the CPU tier saves only its load time, while the block it
         # displaces may cost a recompute: prefetch into room that is predicted dead only.
-        victim = self._index.next_victim_group(now) if self._index.n_free else None
-        room = victim is None or (victim.conf > 0 and victim.model >= self._scorer.dead_model - 1e-9)
+        room = self.room_is_dead(now)
         for s in self._sessions:
             contexts = self._context_keys.get(s.sid)
             if not contexts or s.agent is None or s.in_flight:
@@ -581,6 +583,22 @@ class CacheScoutPolicy:
                 if p >= self.cfg.prefetch_min_probability and room:
                     candidates.append(PrefetchCandidate(agent, p, keys, c, s.sid))
         return self._planner.plan(candidates, locate, inflight_bytes)
+
+    def prefetch_round(self) -> bool:
+        """Whether a round of prefetching may act: always while the prefetches judged so far were
+        mostly used; below one in two used, one round in `_PREFETCH_PROBE` (so that a change in
+        the traffic is still seen). Counts the round."""
+        precision = self.prefetch_precision()
+        self._prefetch_rounds += 1
+        return precision is None or precision >= _PREFETCH_MIN_PRECISION or not self._prefetch_rounds % _PREFETCH_PROBE
+
+    def room_is_dead(self, now: float | None = None) -> bool:
+        """Whether the next block evicted belongs to a group the model predicts is never used
+        again (or nothing is evictable): room a prefetch may take without costing a likely hit."""
+        now = self.clock() if now is None else now
+        self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
+        victim = self._index.next_victim_group(now) if self._index.n_free else None
+        return victim is None or (victim.conf > 0 and victim.model >= self._scorer.dead_model - 1e-9)
 
     def predict_next(self, agent: str) -> list[tuple[str, float]]:
         """The chain's distribution of the agent called after `agent`, most likely first."""

@@ -62,7 +62,10 @@ def test_usage_doc_lists_every_setting_with_its_default():
     for f in dataclasses.fields(ConnectorSettings):
         if f.name in ("policy", "shared_state"):
             continue
-        default = str(f.default).lower() if isinstance(f.default, bool) else f"{f.default:g}"
+        if f.default is None:
+            default = "none"
+        else:
+            default = str(f.default).lower() if isinstance(f.default, bool) else f"{f.default:g}"
         assert f"| `{f.name}` | " in doc, f.name
         row = doc.split(f"| `{f.name}` | ", 1)[1].split("\n", 1)[0]
         assert default in row.split("|")[0], (f.name, default, row)
@@ -105,3 +108,14 @@ def test_settings_built_directly_are_checked_like_raw_input():
     with pytest.raises(ConfigError, match="'kv_connector_extra_config.shared_state.timeout_s'"):
         ConnectorSettings.from_extra_config({"shared_state": {"url": "redis://127.0.0.1:6379/0", "timeout_s": 100}},
                                             block_size=16, check_environment=False)
+
+
+def test_a_warm_up_address_is_parsed_at_start_up():
+    s = ConnectorSettings.from_extra_config({"gpu_warmup_url": "http://127.0.0.1:8000", "gpu_warmup_timeout_s": 5})
+    assert (s.gpu_warmup_url, s.gpu_warmup_timeout_s) == ("http://127.0.0.1:8000", 5)
+    assert ConnectorSettings.from_extra_config({}).gpu_warmup_url is None
+    for bad in ("http://127.0.0.1:abc", "redis://h:1", 8000):
+        with pytest.raises(ConfigError, match="gpu_warmup_url"):
+            ConnectorSettings.from_extra_config({"gpu_warmup_url": bad})
+    with pytest.raises(ConfigError, match="gpu_warmup_timeout_s"):
+        ConnectorSettings.from_extra_config({"gpu_warmup_timeout_s": 0})

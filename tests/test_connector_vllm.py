@@ -536,3 +536,174 @@ def test_every_report_carries_the_shared_state_level_until_it_clears(tmp_path):
         side.shutdown()
         if server is not None:
             server.stop()
+
+
+def _driven_scheduler(gpu_blocks, connector):
+    """vLLM's scheduler with CacheScout, and a function that runs a request to its end in it."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    sched = build_scheduler(gpu_blocks, max_num_seqs=4, connector=connector)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+
+    def run(rid, tokens, params=None):
+        extra = {"kv_transfer_params": params} if params else None
+        sp = SamplingParams(max_tokens=1, ignore_eos=True, extra_args=extra)
+        sched.add_request(Request(rid, tokens, sp, None, block_hasher=hasher))
+        while sched.requests:
+            out = sched.schedule()
+            ids = list(out.num_scheduled_tokens)
+            sampled = [[] if sched.requests[r].is_prefill_chunk else [5] for r in ids]
+            sched.update_from_output(out, ModelRunnerOutput(
+                req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled))
+        sched.schedule()   # the step that files what the last request freed
+    return sched, run
+
+
+def test_a_warm_up_brings_the_anchor_back_as_a_prefetch_and_teaches_nothing():
+    """A warm-up request (`cachescout.warmup` in kv_transfer_params) inside vLLM's scheduler: the
+    policy does not count it as a call or learn from it, its blocks are filed as a prefetch of the
+    agent's anchor, and the agent's next call finds the whole anchor in the GPU cache."""
+    sched, run = _driven_scheduler(24, {})
+    steering, policy = sched.connector.steering, sched.connector.policy
+    anchor = list(range(100, 164))                       # 4 blocks of 16 tokens
+    for i in range(4):                                   # calls of one agent: its anchor is learned
+        run(f"call{i}", anchor + list(range(1000 + 40 * i, 1040 + 40 * i)))
+    (agent,) = steering.anchor_keys
+    assert len(steering.anchor_keys[agent]) == 4 and steering.anchors[agent][0] == anchor
+    for i in range(3):                                   # other traffic evicts it
+        run(f"other{i}", list(range(5000 + 400 * i, 5000 + 400 * i + 320)))
+    assert steering.anchor_missing(agent) == 4
+    requests = policy.stats["requests"]
+    learned = policy.transitions()
+
+    run("warm", anchor, {"cachescout.warmup": agent})
+    assert policy.stats["requests"] == requests           # not a call
+    assert policy.transitions() == learned and learned
+    assert steering.stats["warmup_tokens"] == 64 and steering.stats["warmup_blocks"] == 4
+    assert steering.anchor_missing(agent) == 0
+    assert steering.stats["prompt_tokens"] == 4 * 104 + 3 * 320   # the calls' alone
+
+    steering.warmed.add(agent)                           # as the scheduler side does when it sends one
+    on_gpu = steering.stats["anchor_on_gpu"]
+    run("next", anchor + list(range(9000, 9040)))
+    assert steering.stats["anchor_on_gpu"] == on_gpu + 1
+    assert steering.stats["warmed_calls"] == 1 and steering.stats["warmed_on_gpu"] == 1
+    assert agent not in steering.warmed                  # a warm-up serves one call
+
+
+def test_a_warm_up_marker_naming_no_known_agent_is_an_ordinary_call():
+    sched, run = _driven_scheduler(24, {})
+    steering, policy = sched.connector.steering, sched.connector.policy
+    run("x", list(range(100, 164)), {"cachescout.warmup": "nobody"})
+    assert policy.stats["requests"] == 1 and steering.stats["bad_hints"] == 1
+    assert steering.stats["warmup_tokens"] == 0
+
+
+class _CapturingServer:
+    """An HTTP server on 127.0.0.1 that answers every POST with `status` (once `gate` is set) and
+    keeps the paths and JSON bodies."""
+
+    def __init__(self, status=200):
+        import http.server
+        import json
+        import threading
+
+        bodies = self.bodies = []
+        gate = self.gate = threading.Event()
+        gate.set()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                bodies.append((self.path, json.loads(self.rfile.read(int(self.headers["Content-Length"])))))
+                gate.wait(10)
+                self.send_response(status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"{}")
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_predicted_anchor_missing_from_the_gpu_is_warmed_up_through_the_servers_api():
+    """With `gpu_warmup_url`: sessions all start with one agent, so it is predicted next; once its
+    anchor has left the GPU cache (here vLLM's cache is reset: all its blocks are empty, room that
+    displaces nothing) the next idle step sends its anchor to the server's completions API as a
+    one-token request marked for the connector; run through the scheduler, it brings the anchor back."""
+    import time
+
+    server = _CapturingServer()
+    try:
+        sched, run = _driven_scheduler(64, {"gpu_warmup_url": server.url + "/"})
+        side = sched.connector.scheduler_side
+        anchor = list(range(100, 164))
+        for i in range(8):
+            run(f"call{i}", anchor + list(range(1000 + 40 * i, 1040 + 40 * i)))
+        (agent,) = side.steering.anchors
+        assert side.policy.next_agent_probabilities()[agent][0] >= side.policy.cfg.prefetch_min_probability
+        assert not server.bodies and side.warm_stats["warmups_offered"] == 0    # it is on the GPU
+        assert sched.reset_prefix_cache()
+        time.sleep(0.25)                    # warm-ups are considered at most every 0.2 s
+        sched.schedule()                    # an idle step: the mirror learns the anchor is gone, and warms it
+        deadline = time.monotonic() + 10
+        while side.warmup.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert side.warm_stats["warmups_offered"] == 1 and side.warmup.stats["warmups_sent"] == 1
+        ((path, body),) = server.bodies
+        assert path == "/v1/completions" and body["max_tokens"] == 1 and "priority" not in body
+        assert body["prompt"] == anchor and body["model"] == sched.vllm_config.model_config.model
+        assert body["kv_transfer_params"] == {"cachescout.warmup": agent}
+        time.sleep(0.25)
+        sched.schedule()
+        assert len(server.bodies) == 1      # one warm-up per agent until it is called
+        run("warm", body["prompt"], body["kv_transfer_params"])     # what the server would do with it
+        assert side.steering.anchor_missing(agent) == 0 and side.steering.stats["warmup_blocks"] == 4
+        run("next", anchor + list(range(9000, 9040)))
+        assert side.steering.stats["warmed_on_gpu"] == 1
+    finally:
+        server.close()
+
+
+def test_the_warm_up_sender_sends_one_at_a_time_and_counts_failures(caplog):
+    import time
+
+    from cachescout.connector.gpu_warmup import WarmupSender
+
+    server = _CapturingServer(status=500)
+    server.gate.clear()                          # the server holds its answer
+    sender = WarmupSender(server.url, "m", timeout_s=5, priority=7, api_key="k")
+    try:
+        assert sender.offer("a", [1, 2, 3], {"lmcache.tag.agent": "a"})
+        assert sender.busy and not sender.offer("b", [4], {})            # one in flight at most
+        server.gate.set()
+        deadline = time.monotonic() + 10
+        while sender.busy and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sender.stats == {"warmups_sent": 0, "warmups_failed": 1}
+        ((path, body),) = server.bodies
+        assert body["priority"] == 7 and body["model"] == "m" and body["prompt"] == [1, 2, 3]
+        assert body["kv_transfer_params"] == {"lmcache.tag.agent": "a", "cachescout.warmup": "a"}
+        assert "warm-up request" in caplog.text and "HTTP Error 500" in caplog.text
+    finally:
+        sender.close()
+        server.close()
+
+
+@pytest.mark.parametrize("url", ["127.0.0.1:8000", "ftp://h:1", "http://h:0", "http://h:99999", "http://h:8000/v1",
+                                 "http://:8000"])
+def test_a_bad_warm_up_address_fails_at_start_up(url):
+    with pytest.raises(ConfigError, match="gpu_warmup_url"):
+        build_scheduler(64, connector={"gpu_warmup_url": url})
