@@ -342,11 +342,20 @@ mean TTFT over the rounds: on a 2-core machine the server queues, and a gap smal
 not a measured difference."""
 
 
-CONTROL_TEXT = """A second run beside the first, with the control `cachescout-observe`: CacheScout
-loaded but not steering (`steer_gpu` false), so vLLM evicts by LRU with a KV connector in place.
-Set against `prefix` (no connector) and `cachescout` (steering), it tells what CacheScout's
-eviction order does from what having a KV connector does to this vLLM build:
-
+# What a further serve report (a control run) is for, by the control configuration it holds.
+CONTROL_TEXTS = {
+    "cachescout-observe": """A run with the control `cachescout-observe`: CacheScout loaded but not
+steering (`steer_gpu` false), so vLLM evicts by LRU with a KV connector in place. Set against
+`prefix` (no connector) and `cachescout` (steering), it tells what CacheScout's eviction order does
+from what having a KV connector does to this vLLM build.""",
+    "cachescout-lmcache-warmup": """A run with GPU warm-ups (`cachescout-lmcache-warmup`:
+`cachescout-lmcache` with `gpu_warmup_url` the server's own address): a predicted agent's anchor
+missing from the GPU cache is brought back by a one-token request while the engine only decodes,
+into empty or dead room. The line under the table counts, from CacheScout's counters (calls only),
+how often a call found its agent's whole anchor in the GPU cache, with and without warm-ups, and
+what the warm-ups were; their cost is the TTFT and latency beside `cachescout-lmcache`'s.""",
+}
+CONTROL_COMMAND = """
 ```
 ~/.cache/cachescout/real-*/bin/cachescout bench --engine serve --workloads {workloads} --sessions {sessions}{repeats} \\
     --serve-configs {configs}
@@ -371,10 +380,11 @@ def real_engine_section(report: dict, sessions: int, target: float = 0.6, contro
     out = f"{text}\n```\n{format_report(report).rstrip()}\n```\n"
     for c in controls:
         rounds = c["workloads"][0]["results"][0].get("rounds", 1)
-        out += "\n" + CONTROL_TEXT.format(
+        configs = [r["config"] for r in c["workloads"][0]["results"]]
+        why = [CONTROL_TEXTS[k] for k in CONTROL_TEXTS if k in configs] or ["A further run:"]
+        out += "\n" + "\n\n".join(why) + "\n" + CONTROL_COMMAND.format(
             workloads=",".join(w["name"] for w in c["workloads"]), sessions=sessions,
-            repeats=f" --serve-repeats {rounds}" if rounds > 1 else "",
-            configs=",".join(r["config"] for r in c["workloads"][0]["results"]))
+            repeats=f" --serve-repeats {rounds}" if rounds > 1 else "", configs=",".join(configs))
         out += f"\n```\n{format_report(c).rstrip()}\n```\n"
     return out
 

@@ -103,6 +103,17 @@ def test_a_control_run_follows_the_main_tables_with_its_own_command(tmp_path):
     assert section.index("cachescout-observe  ") > section.index("control `cachescout-observe`")
     with pytest.raises(SystemExit):                                    # a control that is no serve report
         _section(tmp_path, main, {})
+    # A warm-up run: its own reason, and what CacheScout's counters say of the anchors.
+    warm = run(["cachescout-lmcache", "cachescout-lmcache-warmup"])
+    counts = {"anchor_calls": 200.0, "anchor_on_gpu": 150.0}
+    warm["workloads"][0]["results"][0]["cachescout"] = counts
+    warm["workloads"][0]["results"][1]["cachescout"] = dict(counts, anchor_on_gpu=180.0, warmups_offered=12.0,
+                                                            warmups_sent=12.0, warmup_tokens=9000.0,
+                                                            warmed_calls=10.0, warmed_on_gpu=9.0)
+    section = _section(tmp_path, main, warm)
+    assert "A run with GPU warm-ups" in section and "control `cachescout-observe`" not in section
+    assert ("cachescout-lmcache 75.0% of 200; cachescout-lmcache-warmup 90.0% of 200 (12 warm-ups, 9000 tokens; "
+            "9 of 10 warmed calls found it") in section
 
 
 def _model_folder(folder):
