@@ -158,10 +158,10 @@ class SchedulerSide:
         now = steering.clock()
         if warmup is None or warmup.busy or now - self._warm_checked_at < _WARMUP_CHECK_S:
             return
-        self._warm_checked_at = now
         try:
             if not steering.prefill_idle():
                 return
+            self._warm_checked_at = now
             policy = self.policy
             cfg = policy.cfg
             probs = policy.next_agent_probabilities()

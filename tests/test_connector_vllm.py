@@ -538,7 +538,7 @@ def test_every_report_carries_the_shared_state_level_until_it_clears(tmp_path):
             server.stop()
 
 
-def _driven_scheduler(gpu_blocks, connector):
+def _driven_scheduler(gpu_blocks, connector, block_size=16):
     """vLLM's scheduler with CacheScout, and a function that runs a request to its end in it."""
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
@@ -546,9 +546,9 @@ def _driven_scheduler(gpu_blocks, connector):
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
-    sched = build_scheduler(gpu_blocks, max_num_seqs=4, connector=connector)
+    sched = build_scheduler(gpu_blocks, block_size=block_size, max_num_seqs=4, connector=connector)
     init_none_hash(sha256)
-    hasher = get_request_block_hasher(16, sha256)
+    hasher = get_request_block_hasher(block_size, sha256)
 
     def run(rid, tokens, params=None):
         extra = {"kv_transfer_params": params} if params else None

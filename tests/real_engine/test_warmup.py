@@ -51,15 +51,20 @@ def warmed(tmp_path_factory):
     work = tmp_path_factory.mktemp("warmup")
     options = serve.ServeOptions(model=str(build()), gpu_blocks=64)
     anchor = _anchor()
-    nxt = anchor + [40000 + i for i in range(40)]
+    # Tasks of 5 blocks: a prompt that left the previous one within its last 3 blocks would read as
+    # that conversation edited, not as a new session of the agent.
+    nxt = anchor + [40000 + i for i in range(160)]
     out: dict = {}
     with serve.redis_server(work) as redis_url:
+        # A handful of calls gives the model little confidence yet (0.1 here): the bar is lowered
+        # so that they suffice (the default, 0.3, takes more traffic).
         server = serve.Server("cachescout-lmcache-warmup", options, 1024, work, redis_url,
+                              connector_extra={"policy": {"prefetch_min_confidence": 0.05}},
                               env={"VLLM_SERVER_DEV_MODE": "1"})
         try:
             out["reference"] = _complete(server.url, nxt)            # computed: nothing cached yet
             for i in range(AGENT_CALLS):                             # the agent's calls, each a new session
-                _complete(server.url, anchor + [30000 + 100 * i + k for k in range(40)])
+                _complete(server.url, anchor + [30000 + 200 * i + k for k in range(160)])
             before = _wait_for(server, "vllm:cachescout_requests", AGENT_CALLS + 1)
             out["before"] = before
             out["reset"] = _post(server.url, "/reset_prefix_cache")
