@@ -378,10 +378,13 @@ def real_engine_section(report: dict, sessions: int, target: float = 0.6, contro
                               sessions=sessions, runs=ROUNDS.format(rounds=rounds) if rounds > 1 else ONE_RUN,
                               repeats=f" --serve-repeats {rounds}" if rounds > 1 else "")
     out = f"{text}\n```\n{format_report(report).rstrip()}\n```\n"
+    shown: set[str] = set()
     for c in controls:
         rounds = c["workloads"][0]["results"][0].get("rounds", 1)
         configs = [r["config"] for r in c["workloads"][0]["results"]]
-        why = [CONTROL_TEXTS[k] for k in CONTROL_TEXTS if k in configs] or ["A further run:"]
+        why = [CONTROL_TEXTS[k] if k not in shown else f"A further run with `{k}`:"
+               for k in CONTROL_TEXTS if k in configs] or ["A further run:"]
+        shown.update(configs)
         out += "\n" + "\n\n".join(why) + "\n" + CONTROL_COMMAND.format(
             workloads=",".join(w["name"] for w in c["workloads"]), sessions=sessions,
             repeats=f" --serve-repeats {rounds}" if rounds > 1 else "", configs=",".join(configs))

@@ -666,10 +666,14 @@ def anchor_line(results: Sequence[dict[str, Any]]) -> str:
         if not c.get("anchor_calls"):
             continue
         cell = f"{r['config']} {c['anchor_on_gpu'] / c['anchor_calls']:.1%} of {c['anchor_calls']:.0f}"
-        if c.get("warmups_offered") or c.get("warmup_tokens"):
+        if r["config"] == "cachescout-lmcache-warmup" or c.get("warmup_tokens"):
             cell += (f" ({c.get('warmups_sent', 0):.0f} warm-ups, {c.get('warmup_tokens', 0):.0f} tokens; "
-                     f"{c.get('warmed_on_gpu', 0):.0f} of {c.get('warmed_calls', 0):.0f} warmed calls found it; "
-                     f"{c.get('warmups_no_room', 0):.0f} not sent for lack of dead room)")
+                     f"{c.get('warmed_on_gpu', 0):.0f} of {c.get('warmed_calls', 0):.0f} warmed calls found it")
+            if "warmup_idle_checks" in c:      # why none was sent (counters of later builds)
+                cell += (f"; {c.get('warmups_no_room', 0):.0f} not sent for lack of dead room, "
+                         f"{c.get('warmups_unsure', 0):.0f} for lack of confidence, in "
+                         f"{c['warmup_idle_checks']:.0f} checks while the engine only decoded")
+            cell += ")"
         cells.append(cell)
     return "\nAnchor on the GPU at the call (CacheScout's counters): " + "; ".join(cells) if cells else ""
 

@@ -162,12 +162,18 @@ class SchedulerSide:
             if not steering.prefill_idle():
                 return
             self._warm_checked_at = now
+            self.warm_stats["warmup_idle_checks"] += 1
             policy = self.policy
             cfg = policy.cfg
             probs = policy.next_agent_probabilities()
             likely = sorted(((p, a) for a, (p, conf) in probs.items()
                              if p >= cfg.prefetch_min_probability and conf >= cfg.prefetch_min_confidence
                              and a in steering.anchors and a not in steering.warmed), reverse=True)
+            if len(likely) < len(probs):
+                # A likely agent's anchor missing, but the model not confident enough to act on it.
+                self.warm_stats["warmups_unsure"] += any(
+                    p >= cfg.prefetch_min_probability and conf < cfg.prefetch_min_confidence and a in steering.anchors
+                    and a not in steering.warmed and steering.anchor_missing(a) for a, (p, conf) in probs.items())
             for _, agent in likely:
                 missing = steering.anchor_missing(agent)
                 if not missing:
