@@ -105,6 +105,7 @@ class GpuSteering:
         self.warmed: set[str] = set()     # agents warmed up since their last call (scheduler_side.py)
         self._warmups: dict[str, str] = {}                   # request id -> agent, of warm-ups not yet allocated
         self._anchor_of: dict[str, tuple[int, bool]] = {}    # request id -> (anchor blocks, warmed), until allocated
+        self._decode_only = False   # at the last step: nothing waited, no prompt left to compute
 
     # -- binding ----------------------------------------------------------------------------------
     def bind(self, pool: Any, req_blocks: Callable[[str], Sequence[Any]]) -> None:
@@ -209,6 +210,7 @@ class GpuSteering:
             elif computed % bs <= 1 or bs == 1:
                 decode += 1   # its next token or the one after opens a block (one in `bs` do)
         upcoming = min(prefill + int(self._arrival_blocks), budget) + decode
+        self._decode_only = not prefill and len(self._running) < self.max_seqs   # for GPU warm-ups
         if self.steer:
             self._steer(max(self.ahead_blocks, int(self.ahead_factor * upcoming)), now)
 
@@ -255,10 +257,9 @@ class GpuSteering:
 
     def prefill_idle(self) -> bool:
         """Nothing waits to be scheduled and every running request is decoding: a prefill now
-        takes only compute the running requests leave unused."""
-        if self.pool is None or self._new or self._keys or self._allocated or len(self._running) >= self.max_seqs:
-            return False
-        return all(t.request.num_computed_tokens >= t.request.num_prompt_tokens for t in self._running.values())
+        takes only compute the running requests leave unused. As of the last step's count of
+        prompt blocks still to compute, and no request arrived since."""
+        return self._decode_only and not self._new and not self._allocated
 
     def empty_blocks(self, at_most: int) -> int:
         """Free blocks holding nothing cached at the free queue's head (up to `at_most`): room a

@@ -166,17 +166,16 @@ class SchedulerSide:
             policy = self.policy
             cfg = policy.cfg
             probs = policy.next_agent_probabilities()
-            likely = sorted(((p, a) for a, (p, conf) in probs.items()
-                             if p >= cfg.prefetch_min_probability and conf >= cfg.prefetch_min_confidence
-                             and a in steering.anchors and a not in steering.warmed), reverse=True)
-            if len(likely) < len(probs):
-                # A likely agent's anchor missing, but the model not confident enough to act on it.
-                self.warm_stats["warmups_unsure"] += any(
-                    p >= cfg.prefetch_min_probability and conf < cfg.prefetch_min_confidence and a in steering.anchors
-                    and a not in steering.warmed and steering.anchor_missing(a) for a, (p, conf) in probs.items())
-            for _, agent in likely:
+            likely = sorted(((p, conf, a) for a, (p, conf) in probs.items()
+                             if p >= cfg.prefetch_min_probability and a in steering.anchors
+                             and a not in steering.warmed), reverse=True)
+            unsure = False
+            for _, conf, agent in likely:
                 missing = steering.anchor_missing(agent)
                 if not missing:
+                    continue
+                if conf < cfg.prefetch_min_confidence:
+                    unsure = True
                     continue
                 if not policy.prefetch_round():
                     return
@@ -188,6 +187,8 @@ class SchedulerSide:
                     steering.warmed.add(agent)
                     self.warm_stats["warmups_offered"] += 1
                 return
+            # Nothing sent, though a likely agent's anchor was missing: the model was not sure enough.
+            self.warm_stats["warmups_unsure"] += unsure
         except Exception:
             log.exception("CacheScout: GPU warm-ups failed and are off; serving and steering go on")
             warmup.close()

@@ -117,7 +117,7 @@ PROM_COUNTERS = {
     "warmups_failed": "GPU warm-up requests that failed (logged once; serving unaffected)",
     "warmups_no_room": "GPU warm-ups not sent: they would have displaced blocks predicted to be reused",
     "warmup_idle_checks": "checks for a warm-up made while nothing waited and every running request decoded",
-    "warmups_unsure": "of which found a likely agent's anchor missing, with the model not confident enough to act",
+    "warmups_unsure": "of which sent nothing though a likely agent's anchor was missing: the model was not sure enough",
     "warmup_tokens": "prompt tokens of GPU warm-up requests (not counted in prompt_tokens)",
     "warmup_blocks": "blocks GPU warm-ups brought into the GPU prefix cache",
 }
