@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from cachescout.cli.args import add_setting_flags, setting_values
+from cachescout.cli.args import add_setting_flags, json_object, setting_values
 from cachescout.cli.args import number as _number
 from cachescout.policy import InputError
 
@@ -54,6 +54,10 @@ def add_arguments(b: argparse.ArgumentParser) -> None:
                    help="KV cache sized where the fast replay's LRU hits this share on the served calls "
                         "(default 0.6; --gpu-blocks instead sets it)")
     add_setting_flags(s, _serve_options(), prefix="--serve-", metavars=_METAVARS)
+    s.add_argument("--serve-settings", default="{}", metavar="JSON",
+                   help="CacheScout's settings (kv_connector_extra_config, as `cachescout config --settings` "
+                        "takes them) in every configuration that loads CacheScout, e.g. "
+                        "'{\"policy\": {\"prefetch_min_confidence\": 0.1}}'")
 
 
 _METAVARS = {"trace": "PATH", "export_trace": "DIR", "conversations": "N", "window_s": "S", "time_scale": "X",
@@ -178,6 +182,7 @@ def _serve(args: argparse.Namespace, families: list[str]) -> int:
                              "--serve-model") from None
     options = serve.ServeOptions(model=model, gpu_blocks=args.gpu_blocks or 4, configs=configs,
                                  cpu_ratio=args.cpu_ratio or 1.0,
+                                 connector_settings=json_object(args.serve_settings, "--serve-settings"),
                                  **setting_values(args, serve.ServeOptions, prefix="--serve-"))
     progress = _progress_line if _shows_progress(args) else None
     report = serve.run_workloads(workloads, options, None if args.gpu_blocks else args.serve_target, progress)

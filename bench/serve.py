@@ -92,6 +92,9 @@ class ServeOptions:
                            "later); figures are the rounds' means, with their spread", lo=1, hi=100)
     log_dir: str | None = setting(None, "keep the servers' logs in this folder (default: a temporary one, removed)",
                                   flag="--serve-logs")
+    # CacheScout's kv_connector_extra_config in every configuration that loads it (--serve-settings):
+    # a user's own settings measured on a real server. Checked before any server starts.
+    connector_settings: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -104,6 +107,14 @@ class ServeOptions:
         if not Path(self.model, "config.json").is_file():
             raise InputError(f"model {self.model}: not a model folder (no config.json); "
                              "build one with python -m cachescout.bench.tiny_model")
+        from cachescout.connector.settings import ConnectorSettings
+        if "gpu_warmup_url" in self.connector_settings:
+            raise InputError("--serve-settings: gpu_warmup_url is the server's own address, set by the "
+                             "cachescout-lmcache-warmup configuration; leave it out")
+        try:
+            ConnectorSettings.from_extra_config(self.connector_settings, check_environment=False)
+        except CacheScoutError as e:
+            raise InputError(f"--serve-settings: {e}") from None
 
 
 @dataclasses.dataclass
@@ -203,10 +214,11 @@ def kv_bytes_per_token(options: ServeOptions) -> int:
 def server_settings(config: str, options: ServeOptions, redis_url: str | None, work: Path,
                     connector_extra: dict | None = None, url: str | None = None) -> tuple[list[str], dict]:
     """The server's extra arguments and environment for one configuration; `connector_extra`:
-    CacheScout's kv_connector_extra_config (e.g. a shared_state); `url`: the server's own address
-    (where GPU warm-ups go)."""
+    CacheScout's kv_connector_extra_config (e.g. a shared_state) over `options.connector_settings`;
+    `url`: the server's own address (where GPU warm-ups go)."""
     from cachescout.connector.deploy_config import connector_entry, kv_transfer_config, lmcache_yaml
 
+    connector_extra = {**options.connector_settings, **(connector_extra or {})}
     args: list[str] = []
     # vLLM's CPU backend keeps cores for its other processes: one, or two when a KV connector is
     # configured; on a 2-core machine two is every core, so it reserves none and the model gets

@@ -3,12 +3,14 @@ served calls, and the bound it prints beside the measured table."""
 
 import dataclasses
 import json
+import re
 
 import pytest
 
 from cachescout.bench import serve
 from cachescout.bench.run import calibrate_gpu_blocks
 from cachescout.bench.workloads import WorkloadSpec, generate
+from cachescout.policy import InputError
 
 # One served configuration's measured figures, as run_config reports them
 _PREFIX_ROW = {"config": "prefix", "hit_rate": 0.6, "gpu_hit_rate": 0.6, "fast_gpu_hit_rate": 0.6,
@@ -135,6 +137,24 @@ def test_every_configuration_runs_on_the_same_cores(tmp_path, monkeypatch):
     assert reserved == {"1"}
     monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")                 # the user's choice, for all
     assert serve.server_settings("cachescout", options, None, tmp_path)[1]["VLLM_CPU_NUM_OF_RESERVED_CPU"] == "0"
+
+
+def test_serve_settings_reach_every_cachescout_server_and_bad_ones_fail_first(tmp_path):
+    """--serve-settings: a user's own CacheScout settings measured on the real server, in every
+    configuration that loads CacheScout (and only those); refused, naming the field, before any
+    server starts."""
+    folder = str(_model_folder(tmp_path))
+    settings = {"policy": {"prefetch_min_confidence": 0.1}, "steer_ahead_blocks": 8}
+    options = serve.ServeOptions(model=folder, gpu_blocks=64, connector_settings=settings)
+    for config in serve.CONFIGS + serve.CONTROLS:
+        args, _ = serve.server_settings(config, options, "redis://127.0.0.1:1", tmp_path, url="http://127.0.0.1:9")
+        text = args[args.index("--kv-transfer-config") + 1] if "--kv-transfer-config" in args else ""
+        assert ('"prefetch_min_confidence": 0.1' in text) == ("cachescout" in config), config
+    for bad, needle in (({"policy": {"prefetch_min_confidence": 2}}, "prefetch_min_confidence"),
+                        ({"steer_ahead": 1}, "unknown key(s) 'steer_ahead'"),
+                        ({"gpu_warmup_url": "http://127.0.0.1:1"}, "gpu_warmup_url")):
+        with pytest.raises(InputError, match=r"^--serve-settings: .*" + re.escape(needle)):
+            serve.ServeOptions(model=folder, gpu_blocks=64, connector_settings=bad)
 
 
 def test_a_failed_call_fails_the_replay_and_names_the_call(tmp_path):
