@@ -358,9 +358,17 @@ what the warm-ups were; their cost is the TTFT and latency beside `cachescout-lm
 CONTROL_COMMAND = """
 ```
 ~/.cache/cachescout/real-*/bin/cachescout bench --engine serve --workloads {workloads} --sessions {sessions}{repeats} \\
-    --serve-configs {configs}
+    --serve-configs {configs}{settings}
 ```
 """
+
+
+def _leaves(settings: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    """(dotted name, value) of every setting in a nested settings object."""
+    out: list[tuple[str, Any]] = []
+    for k, v in settings.items():
+        out += _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else [(prefix + k, v)]
+    return out
 
 
 def real_engine_section(report: dict, sessions: int, target: float = 0.6, controls: tuple[dict, ...] = ()) -> str:
@@ -385,9 +393,14 @@ def real_engine_section(report: dict, sessions: int, target: float = 0.6, contro
         why = [CONTROL_TEXTS[k] if k not in shown else f"A further run with `{k}`:"
                for k in CONTROL_TEXTS if k in configs] or ["A further run:"]
         shown.update(configs)
+        settings = c["workloads"][0]["options"].get("connector_settings") or {}
+        if settings:
+            why.append("In this run CacheScout's settings were not the defaults: " + ", ".join(
+                f"`{k}` {json.dumps(v)}" for k, v in _leaves(settings)) + " (`--serve-settings`).")
         out += "\n" + "\n\n".join(why) + "\n" + CONTROL_COMMAND.format(
             workloads=",".join(w["name"] for w in c["workloads"]), sessions=sessions,
-            repeats=f" --serve-repeats {rounds}" if rounds > 1 else "", configs=",".join(configs))
+            repeats=f" --serve-repeats {rounds}" if rounds > 1 else "", configs=",".join(configs),
+            settings=f" \\\n    --serve-settings '{json.dumps(settings)}'" if settings else "")
         out += f"\n```\n{format_report(c).rstrip()}\n```\n"
     return out
 

@@ -671,23 +671,31 @@ def format_report(report: dict[str, Any]) -> str:
 
 def anchor_line(results: Sequence[dict[str, Any]]) -> str:
     """What CacheScout's counters say of its configurations (calls only, warm-ups apart): how
-    often a call found its agent's whole anchor in the GPU cache, and the warm-ups sent."""
+    often a call found its agent's whole anchor in the GPU cache, and the warm-ups sent. With
+    several rounds the counters are a round's mean (so 1.5 warm-ups is 3 in two rounds)."""
+    def n(key: str) -> str:
+        x = float(c.get(key, 0))
+        return f"{x:.0f}" if x == int(x) else f"{x:.1f}"
+
     cells = []
+    rounds = 1
     for r in results:
         c = r.get("cachescout") or {}
         if not c.get("anchor_calls"):
             continue
-        cell = f"{r['config']} {c['anchor_on_gpu'] / c['anchor_calls']:.1%} of {c['anchor_calls']:.0f}"
+        rounds = r.get("rounds", 1)
+        cell = f"{r['config']} {c['anchor_on_gpu'] / c['anchor_calls']:.1%} of {n('anchor_calls')}"
         if r["config"] == "cachescout-lmcache-warmup" or c.get("warmup_tokens"):
-            cell += (f" ({c.get('warmups_sent', 0):.0f} warm-ups, {c.get('warmup_tokens', 0):.0f} tokens; "
-                     f"{c.get('warmed_on_gpu', 0):.0f} of {c.get('warmed_calls', 0):.0f} warmed calls found it")
+            cell += (f" ({n('warmups_sent')} warm-ups, {n('warmup_tokens')} tokens; "
+                     f"{n('warmed_on_gpu')} of {n('warmed_calls')} warmed calls found it")
             if "warmup_idle_checks" in c:      # why none was sent (counters of later builds)
-                cell += (f"; {c.get('warmups_no_room', 0):.0f} not sent for lack of dead room, "
-                         f"{c.get('warmups_unsure', 0):.0f} for lack of confidence, in "
-                         f"{c['warmup_idle_checks']:.0f} checks while the engine only decoded")
+                cell += (f"; {n('warmups_no_room')} not sent for lack of dead room, "
+                         f"{n('warmups_unsure')} for lack of confidence, in "
+                         f"{n('warmup_idle_checks')} checks while the engine only decoded")
             cell += ")"
         cells.append(cell)
-    return "\nAnchor on the GPU at the call (CacheScout's counters): " + "; ".join(cells) if cells else ""
+    per = ", per round" if rounds > 1 else ""
+    return f"\nAnchor on the GPU at the call (CacheScout's counters{per}): " + "; ".join(cells) if cells else ""
 
 
 def bound_line(fast: dict[str, dict[str, float]]) -> str:

@@ -43,6 +43,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="share learned state across replicas through this Redis (redis:// or rediss://); its "
                         "password is read from $CACHESCOUT_STATE_PASSWORD (docs/shared_state.md)")
     c.add_argument("--deployment", default=None, help="with --state-url: the deployment name replicas share under")
+    c.add_argument("--gpu-warmup", action="store_true",
+                   help="send GPU warm-ups of predicted anchors to this server (gpu_warmup_url http://127.0.0.1:PORT) "
+                        "at the lowest priority (vLLM with --scheduling-policy priority); docs/usage.md")
+    c.add_argument("--port", type=_number(1, 65535, integer=True), default=8000,
+                   help="the port vLLM serves on (default 8000, vllm serve's own)")
     c.add_argument("--settings", default="{}",
                    help="CacheScout settings as a JSON object (kv_connector_extra_config), e.g. "
                         "'{\"steer_ahead_blocks\": 32, \"policy\": {\"max_agents\": 200}}'")
@@ -132,6 +137,12 @@ def _config(args: argparse.Namespace) -> int:
             raise InputError("give the shared state either in --settings or with --state-url, not both")
         extra["shared_state"] = {"url": args.state_url, "password_env": "CACHESCOUT_STATE_PASSWORD",
                                  **({"deployment": args.deployment} if args.deployment else {})}
+    serve_args = f" --port {args.port}" if args.port != 8000 else ""
+    if args.gpu_warmup:
+        if "gpu_warmup_url" in extra:
+            raise InputError("give gpu_warmup_url either in --settings or with --gpu-warmup, not both")
+        extra["gpu_warmup_url"] = f"http://127.0.0.1:{args.port}"
+        serve_args += " --scheduling-policy priority"
     kvt = kv_transfer_config(extra, lmcache=tiers)
     yaml = lmcache_yaml(cpu_gib=args.cpu_gib, redis_url=args.redis_url, chunk_size=args.chunk_size) if tiers else None
     env = f"LMCACHE_CONFIG_FILE={shlex.quote(args.lmcache_file)} PYTHONHASHSEED=0 " if tiers else ""
@@ -140,7 +151,7 @@ def _config(args: argparse.Namespace) -> int:
         print("# Every replica needs the same PYTHONHASHSEED and the state store's password in "
               "$CACHESCOUT_STATE_PASSWORD.")
     print("# Start vLLM with CacheScout" + (" and LMCache's CPU/Redis tiers" if tiers else "") + ":")
-    print(f"{env}vllm serve {shlex.quote(args.model)} --kv-transfer-config {shlex.quote(json.dumps(kvt))}")
+    print(f"{env}vllm serve {shlex.quote(args.model)}{serve_args} --kv-transfer-config {shlex.quote(json.dumps(kvt))}")
     print("\n# kv_transfer_config, readable:")
     print(json.dumps(kvt, indent=2))
     if yaml is not None:

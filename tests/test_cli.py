@@ -191,6 +191,23 @@ def test_config_with_a_state_store(capsys):
     assert "shared_state.url" in capsys.readouterr().err
 
 
+def test_config_with_gpu_warmups_points_them_at_the_server_it_starts(capsys):
+    assert main(["config", "--gpu-warmup", "--port", "8123", "--cpu-gib", "4"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if "vllm serve" in x and not x.startswith("#"))
+    assert " --port 8123 --scheduling-policy priority --kv-transfer-config " in line
+    kvt = json.loads(line.split("--kv-transfer-config ", 1)[1].strip("'"))
+    ours = kvt["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]
+    assert ours["gpu_warmup_url"] == "http://127.0.0.1:8123"
+    assert main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert "gpu_warmup_url" not in out and "--scheduling-policy" not in out and "--port" not in out
+    assert main(["config", "--gpu-warmup", "--settings", '{"gpu_warmup_url": "http://127.0.0.1:1"}']) == 2
+    assert "gpu_warmup_url either in --settings or with --gpu-warmup" in capsys.readouterr().err
+    assert main(["config", "--port", "70000"]) == 2
+    assert "--port" in capsys.readouterr().err
+
+
 def test_a_reader_that_goes_away_is_not_an_error():
     import subprocess
     import sys

@@ -131,7 +131,9 @@ def test_a_values_file_with_a_wrong_type_is_rejected_by_the_schema(tmp_path):
                           ({"lmcache": {"chunkSize": 100}}, "/lmcache/chunkSize"),
                           ({"tls": {"enabled": True}}, "/tls/secretName"),
                           ({"vllm": {"replicaz": 2}}, "replicaz"),
-                          ({"cachescout": {"settings": {"shared_state": {}}}}, "/cachescout/settings")):
+                          ({"cachescout": {"settings": {"shared_state": {}}}}, "/cachescout/settings"),
+                          ({"cachescout": {"settings": {"gpu_warmup_url": "http://x:1"}}}, "/cachescout/settings"),
+                          ({"cachescout": {"gpuWarmup": {"enabled": "yes"}}}, "/cachescout/gpuWarmup/enabled")):
         out = render([], set_json=json.dumps(values), ok=False)
         assert out.returncode != 0 and where in out.stderr, (values, out.stderr[-500:])
 
@@ -277,6 +279,25 @@ def test_vllm_gets_one_kv_transfer_config_naming_cachescout(rendered, tmp_path):
     env = {e["name"]: e for e in next(c for w, c in containers(objs) if w.endswith("/vllm"))["env"]}
     assert env["PYTHONHASHSEED"]["value"] == "0"
     assert env["LMCACHE_REMOTE_URL"]["valueFrom"]["secretKeyRef"]["key"] == "lmcache-remote-url"
+
+
+def test_gpu_warmups_go_to_the_pods_own_server_at_the_lowest_priority():
+    """cachescout.gpuWarmup: the pod's own address (its port) as gpu_warmup_url, which CacheScout
+    accepts, and vLLM scheduling by priority so that a warm-up yields to every real request; off
+    by default, and then neither."""
+    from cachescout.connector import ConnectorSettings
+
+    for enabled in (False, True):
+        values = {"vllm": {"port": 8123}, "cachescout": {"gpuWarmup": {"enabled": enabled}}}
+        objs = [d for d in yaml.safe_load_all(render([], set_json=json.dumps(values)).stdout) if d]
+        args = vllm_args(objs)
+        config = json.loads(args[args.index("--kv-transfer-config") + 1])
+        extra = config["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]
+        assert ("--scheduling-policy=priority" in args) == enabled
+        assert extra.get("gpu_warmup_url") == ("http://127.0.0.1:8123" if enabled else None)
+        settings = ConnectorSettings.from_extra_config({k: v for k, v in extra.items() if k != "shared_state"},
+                                                       block_size=16)
+        assert settings.gpu_warmup_url == extra.get("gpu_warmup_url")
 
 
 def test_lmcache_yaml_loads_with_lmcaches_loader_and_points_at_the_kv_tier(rendered, tmp_path, monkeypatch):

@@ -116,6 +116,14 @@ def test_a_control_run_follows_the_main_tables_with_its_own_command(tmp_path):
     assert "A run with GPU warm-ups" in section and "control `cachescout-observe`" not in section
     assert ("cachescout-lmcache 75.0% of 200; cachescout-lmcache-warmup 90.0% of 200 (12 warm-ups, 9000 tokens; "
             "9 of 10 warmed calls found it") in section
+    assert "(CacheScout's counters, per round)" in section             # means of 3 rounds ...
+    warm["workloads"][0]["results"][1]["cachescout"]["warmups_sent"] = 1.5
+    assert "(1.5 warm-ups" in _section(tmp_path, main, warm)          # ... so not rounded to whole ones
+    # A run with the user's own settings says so, and its command reproduces it.
+    warm["workloads"][0]["options"]["connector_settings"] = {"policy": {"prefetch_min_confidence": 0.05}}
+    section = _section(tmp_path, main, warm)
+    assert "`policy.prefetch_min_confidence` 0.05 (`--serve-settings`)" in section
+    assert "--serve-settings '{\"policy\": {\"prefetch_min_confidence\": 0.05}}'" in section
 
 
 def _model_folder(folder):

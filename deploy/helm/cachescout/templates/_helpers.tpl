@@ -138,6 +138,9 @@ capabilities:
 {{- if .Values.cachescout.sharedState.enabled -}}
 {{- $_ := set $extra "shared_state" (include "cachescout.sharedState" . | fromJson) -}}
 {{- end -}}
+{{- if .Values.cachescout.gpuWarmup.enabled -}}
+{{- $_ := set $extra "gpu_warmup_url" (printf "http://127.0.0.1:%v" .Values.vllm.port) -}}
+{{- end -}}
 {{- $ours := dict "kv_connector" "CacheScoutConnector" "kv_connector_module_path" "cachescout.connector" "kv_role" "kv_both" "kv_connector_extra_config" $extra -}}
 {{- if .Values.lmcache.enabled -}}
 {{- $lm := dict "kv_connector" "LMCacheConnectorV1" "kv_role" "kv_both" -}}
