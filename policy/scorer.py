@@ -290,9 +290,9 @@ class SurvivalScorer:
                     # own) are used as LRU would expect, only that much less often: the rate
                     # LRU's order implies (one use per idle time) times that share.
                     rate, conf = 0.0, conf_all
-                    head = g.head
-                    if dead_reuse > 0.0 and head is not None:
-                        rate = dead_reuse / (max(now - head.freed_at, 0.0) + 1e-3)
+                    tail = g.tail      # its youngest free block: the session's last use (below)
+                    if dead_reuse > 0.0 and tail is not None:
+                        rate = dead_reuse / (max(now - tail.freed_at, 0.0) + 1e-3)
                 elif ses.agent is None or agent is None:
                     rate, conf = 0.0, 0.0                  # nothing known: LRU
                 else:
@@ -303,9 +303,13 @@ class SurvivalScorer:
                     t_next, alive = sv.t_next, sv.alive
                     p = row.reach.get(agent, 0.0)
                     rate = alive * p / (t_next + row.extra.get(agent, 0.0) * step) if p else 0.0
-                    head = g.head
-                    if head is not None:
-                        idle = max(now - head.freed_at, 0.0) + 1e-3
+                    # The group's idle time is its youngest free block's: the blocks the session
+                    # last used. (Its oldest can be far older: blocks its later calls left out, as
+                    # a conversation is edited or branches; judged by those, the group of a session
+                    # that called a minute ago looked idle for many minutes.)
+                    tail = g.tail
+                    if tail is not None:
+                        idle = max(now - tail.freed_at, 0.0) + 1e-3
                         if rate > 0.0:
                             # Timing as far as the waits are regular: where they are not, the time
                             # a session has idled stands in for when it calls next (as in LRU).

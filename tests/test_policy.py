@@ -281,3 +281,57 @@ def test_blocks_another_request_hits_stay_kept_for_the_queued_one():
     policy.finish("R", now=3.5)
     policy.blocks_freed(list(reversed(r)), now=3.5)
     assert policy.victims(7, now=4.0) == list(reversed(b)) + [r[2], a[2], a[1], a[0]]
+
+
+def _context_model(old_branch: bool) -> float:
+    """The `model` of probe session P's context 10 s after its last call, its agent's waits
+    irregular. With `old_branch`, P's first call (100 s before) sent blocks its second call left
+    out (a conversation edited), which stay in P's context group as its oldest free blocks."""
+    clock = [0.0]
+    policy = CacheScoutPolicy(PolicyConfig(min_confidence=0.0), clock=lambda: clock[0])  # use any confidence
+    cached: set = set()
+
+    def call(rid, prompt, session: str, t: float):
+        """One call as a block pool runs it: hits on what is cached, the rest computed, all freed."""
+        keys = chain(prompt)
+        clock[0] = t
+        obs = policy.observe(rid, keys, hints=Hints(agent="X", session=session), now=t)
+        hit = next((k for k, key in enumerate(keys) if key not in cached), len(keys))
+        policy.blocks_reused(keys[:hit])
+        policy.admit_blocks(rid, keys, hit)
+        cached.update(keys)
+        clock[0] = t + 1.0
+        policy.finish(rid, now=t + 1.0)
+        policy.blocks_freed(list(reversed(keys)), now=t + 1.0)
+        return obs.session
+
+    x = anchor("X", 4)
+    now = 0.0
+    for s in range(8):                     # the chain learns X -> X
+        ctx = [("s", s)]
+        for i in range(3):
+            ctx = ctx + [("s", s, i)]
+            call((s, i), x + ctx, f"s{s}", now)
+            now += 3.0
+    prompts = [x + [("p", "old")], x + [("p", "new")]] if old_branch else [x + [("p", "new")]] * 2
+    for i, prompt in enumerate(prompts):
+        probe = call(("P", i), prompt, "P", now + 100.0 * i)
+    now += 100.0
+    # State set through the internals: waits as irregular as people's (reliability about 0.28),
+    # and expired sessions' blocks often used again, so that both the recency stand-in and the
+    # floor take part in the context's score.
+    inside = policy.inspect()
+    inside.traffic.think.spread["X"] = 4.0
+    inside.traffic.dead_reuse = 0.5
+    inside.scorer.invalidate()
+    clock[0] = now + 11.0
+    policy.victims(1, now=now + 11.0)
+    (group,) = [g for g in inside.index.groups() if g.kind == "context" and g.session == probe]
+    assert group.conf > 0                   # a prediction, not plain LRU order
+    return group.model
+
+
+def test_a_context_is_as_recent_as_the_blocks_its_session_last_used():
+    """Blocks a conversation's later calls left out do not make its context look idle since they
+    were freed: the group is scored from its session's last use (its youngest free block)."""
+    assert _context_model(old_branch=True) == pytest.approx(_context_model(old_branch=False))
