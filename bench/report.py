@@ -493,7 +493,10 @@ def main(argv: list[str] | None = None) -> int:
             except (OSError, ValueError, KeyError, IndexError) as e:
                 ap.error(f"--real-engine {path}: not a serve JSON report ({e})")
         engine_report = reports[0]
-        engine = real_engine_section(engine_report, args.real_engine_sessions, controls=tuple(reports[1:]))
+        # When and where the server ran (its own environment: vLLM's CPU build), if the report says.
+        engine = (real_engine_section(engine_report, args.real_engine_sessions, controls=tuple(reports[1:])).rstrip()
+                  + f"\n\nMeasured {engine_report.get('date', datetime.date.today().isoformat())} "
+                  f"on {engine_report.get('measured_on', machine())}.\n")
     if args.sections_only:
         # The rest of the file keeps its own date: each section rewritten here says when and where.
         today, here = datetime.date.today().isoformat(), machine()
@@ -508,9 +511,7 @@ def main(argv: list[str] | None = None) -> int:
             traces = trace_runs(args.traces) if args.traces else old_traces
             splice(args.out, REAL_TITLE, (matrices + traces).rstrip() + stamp)
         if engine:
-            # when and where the server ran (its own environment: vLLM's CPU build), if the report says
-            splice(args.out, ENGINE_TITLE, engine.rstrip() + f"\n\nMeasured {engine_report.get('date', today)} "
-                   f"on {engine_report.get('measured_on', here)}.\n")
+            splice(args.out, ENGINE_TITLE, engine)
         print(f"wrote {args.out}", file=sys.stderr)
         return 0
     kept = kept_sections(args.out, (REAL_TITLE, ENGINE_TITLE))
