@@ -673,8 +673,8 @@ def anchor_line(results: Sequence[dict[str, Any]]) -> str:
     """What CacheScout's counters say of its configurations (calls only, warm-ups apart): how
     often a call found its agent's whole anchor in the GPU cache, and the warm-ups sent. With
     several rounds the counters are a round's mean (so 1.5 warm-ups is 3 in two rounds)."""
-    def n(key: str) -> str:
-        x = float(c.get(key, 0))
+    def n(counters: dict[str, Any], key: str) -> str:
+        x = float(counters.get(key, 0))
         return f"{x:.0f}" if x == int(x) else f"{x:.1f}"
 
     cells = []
@@ -684,14 +684,14 @@ def anchor_line(results: Sequence[dict[str, Any]]) -> str:
         if not c.get("anchor_calls"):
             continue
         rounds = r.get("rounds", 1)
-        cell = f"{r['config']} {c['anchor_on_gpu'] / c['anchor_calls']:.1%} of {n('anchor_calls')}"
+        cell = f"{r['config']} {c['anchor_on_gpu'] / c['anchor_calls']:.1%} of {n(c, 'anchor_calls')}"
         if r["config"] == "cachescout-lmcache-warmup" or c.get("warmup_tokens"):
-            cell += (f" ({n('warmups_sent')} warm-ups, {n('warmup_tokens')} tokens; "
-                     f"{n('warmed_on_gpu')} of {n('warmed_calls')} warmed calls found it")
+            cell += (f" ({n(c, 'warmups_sent')} warm-ups, {n(c, 'warmup_tokens')} tokens; "
+                     f"{n(c, 'warmed_on_gpu')} of {n(c, 'warmed_calls')} warmed calls found it")
             if "warmup_idle_checks" in c:      # why none was sent (counters of later builds)
-                cell += (f"; {n('warmups_no_room')} not sent for lack of dead room, "
-                         f"{n('warmups_unsure')} for lack of confidence, in "
-                         f"{n('warmup_idle_checks')} checks while the engine only decoded")
+                cell += (f"; {n(c, 'warmups_no_room')} not sent for lack of dead room, "
+                         f"{n(c, 'warmups_unsure')} for lack of confidence, in "
+                         f"{n(c, 'warmup_idle_checks')} checks while the engine only decoded")
             cell += ")"
         cells.append(cell)
     per = ", per round" if rounds > 1 else ""
