@@ -18,6 +18,9 @@
    every core ("shared"), and with the replica on one CPU and Redis and the writer on the others
    ("apart", as where Redis runs on a host of its own).
 
+`--readers helper,in-process`: cost and hostile figures with peers read by the helper process (the
+default, `isolated_reader`) and by the replica's own background thread.
+
 Without --redis-url a private redis-server is started on a free loopback port (and stopped).
 """
 
@@ -40,6 +43,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import msgpack
 
@@ -82,10 +86,10 @@ def private_redis(cpus: set[int] | None = None) -> Iterator[str]:
         proc.wait(5)
 
 
-def _replica(url: str, deployment: str, name: str, half_life: float = 200.0) -> tuple[CacheScoutPolicy,
-                                                                                       SharedLearnedState]:
+def _replica(url: str, deployment: str, name: str, half_life: float = 200.0,
+             isolated: bool = True) -> tuple[CacheScoutPolicy, SharedLearnedState]:
     settings = SharedStateSettings.from_mapping({"url": url, "deployment": deployment, "replica": name,
-                                                 "timeout_s": 2.0})
+                                                 "timeout_s": 2.0, "isolated_reader": isolated})
     policy = CacheScoutPolicy(PolicyConfig(transition_half_life=half_life))
     shared = SharedLearnedState(settings, half_life=half_life, model="bench", hash_domain="bench")
     shared.attach(policy)
@@ -131,13 +135,15 @@ def hostile_blobs(size: int) -> dict[str, bytes]:
 
 
 def hostile(url: str, entries: int = 8, size: int = 4 * 1024 * 1024, seconds: float = 4.0,
-            pacer: bool = True, apart: bool = False, shapes: Sequence[str] | None = None) -> list[dict]:
+            pacer: bool = True, apart: bool = False, shapes: Sequence[str] | None = None,
+            isolated: bool = True) -> list[dict]:
     """Per shape: the scheduler stand-in's step times (ms) while `entries` hostile entries are in
     Redis, rewritten (new seq) before every round by another process. Two baselines: no entries,
     and "decoys": the same writes, of the first shape, under keys this replica never reads (what
     the machine alone does to the stand-in while Redis and the writer are busy). `apart`: this
     process on one CPU and the writer on the others (the caller puts Redis there). `shapes`: only
-    these (the baselines too, by name), each for `seconds`."""
+    these (the baselines too, by name), each for `seconds`. `isolated`: peers read by the helper
+    process (the default), else in the replica's own process."""
     blobs = hostile_blobs(size)
     runs = [("none", b"", 0, False), ("decoys", next(iter(blobs.values())), entries, True),
             *((shape, blob, entries, False) for shape, blob in blobs.items())]
@@ -149,8 +155,9 @@ def hostile(url: str, entries: int = 8, size: int = 4 * 1024 * 1024, seconds: fl
         if apart:
             os.sched_setaffinity(0, own)
         with _Attacker(url, others) as attacker:
-            return [{**_hostile_run(attacker, url, f"hostile-{i}", shape, blob, n, seconds, pacer, decoy),
-                     "cores": "apart" if apart else "shared", "seconds": seconds}
+            return [{**_hostile_run(attacker, url, f"hostile-{i}", shape, blob, n, seconds, pacer, decoy, isolated),
+                     "cores": "apart" if apart else "shared", "seconds": seconds,
+                     "reader": "helper" if isolated else "in-process"}
                     for i, (shape, blob, n, decoy) in enumerate(runs)]
     finally:
         os.sched_setaffinity(0, mine)
@@ -221,8 +228,8 @@ def _attack(url: str, conn, cpus: set[int] | None) -> None:
 
 
 def _hostile_run(attacker: _Attacker, url: str, deployment: str, shape: str, blob: bytes, entries: int,
-                 seconds: float, pacer: bool, decoy: bool = False) -> dict:
-    policy, shared = _replica(url, deployment, "victim")
+                 seconds: float, pacer: bool, decoy: bool = False, isolated: bool = True) -> dict:
+    policy, shared = _replica(url, deployment, "victim", isolated=isolated)
     attacker.arm(deployment + "-decoy" if decoy else deployment, blob, entries)
     # As vLLM's engine does once it has started (vllm.utils.gc_utils.freeze_gc_heap): what exists
     # now is never scanned by the collector again, so a full collection costs what serving allocated
@@ -314,13 +321,13 @@ def _cpu_queue() -> _ProcCounter:
 
 # -- 1. flush and merge cost -------------------------------------------------------------------------
 def cost(url: str, agent_counts: Sequence[int] = (10, 100, 1000), replicas: int = 8, rounds: int = 5,
-         out_degree: int = 8, seed: int = 0) -> list[dict]:
+         out_degree: int = 8, seed: int = 0, isolated: bool = True) -> list[dict]:
     rows = []
     for n in agent_counts:
         rng = random.Random(seed + n)
         names = [f"agent-{i:04d}" for i in range(n)]
         succ = {a: rng.sample(names, min(out_degree, n)) + [END] for a in names}
-        fleet = [_replica(url, f"cost-{n}", f"r{i}") for i in range(replicas)]
+        fleet = [_replica(url, f"cost-{n}-{int(isolated)}", f"r{i}", isolated=isolated) for i in range(replicas)]
         for policy, _ in fleet:   # every replica sees every agent and its successors a few times
             for a in names:
                 policy.learn_transition(START, a)
@@ -348,7 +355,8 @@ def cost(url: str, agent_counts: Sequence[int] = (10, 100, 1000), replicas: int 
                     samples.setdefault(f"{kind}_{key}", []).append(v)
                 samples.setdefault("blob_bytes", []).append(t["blob_bytes"])
         cells = sum(len(r) for r in fleet[0][0].inspect().learner.decayed_rows().values())
-        row: dict[str, float] = {"agents": n, "replicas": replicas, "transitions_per_replica": cells,
+        row: dict[str, Any] = {"agents": n, "replicas": replicas, "transitions_per_replica": cells,
+               "reader": "helper" if isolated else "in-process",
                "blob_bytes": int(statistics.median(samples["blob_bytes"]))}
         for key, vals in samples.items():
             if key != "blob_bytes":
@@ -486,14 +494,16 @@ def _hostile_table(figures: dict) -> list[str]:
            "steps during which the hypervisor took no CPU from this VM (stolen: the steps it did); lock wait = "
            "an unqueued step less the thread's own CPU time: asleep past its 1 ms, waiting for the interpreter "
            "lock; "
-           "cores: shared = Redis, the writer and the replica on every core, apart = the replica on one CPU, "
-           "Redis and the writer on the others):", "",
-           "| cores | shape | entries | rounds | round | refused | steps | stolen | step p50 | step p99 | step max "
-           "| max unqueued | max lock wait |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+           "cores: shared = Redis, the writer and the replica on every core, apart = the replica (and its helper) on "
+           "one CPU, Redis and the writer on the others; reader: helper = peers read by the helper process, "
+           "in-process = by the replica's background thread):", "",
+           "| reader | cores | shape | entries | rounds | round | refused | steps | stolen | step p50 | step p99 "
+           "| step max | max unqueued | max lock wait |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for h in figures.get("hostile", []):
         shape = "decoys (written, never read)" if h.get("decoy") else h["shape"]
-        out.append(f"| {h.get('cores', 'shared')} | {shape} | {h['entries']} | {h['rounds']} "
+        out.append(f"| {h.get('reader', 'in-process')} | {h.get('cores', 'shared')} | {shape} | {h['entries']} "
+                   f"| {h['rounds']} "
                    f"| {h['round_ms']:,.0f} ms | {h['rejected']} | {h['steps']:,} | {h.get('steps_stolen', 0)} "
                    f"| {h['step_p50_ms']:.2f} ms | {h['step_p99_ms']:.2f} ms "
                    f"| {h['step_max_ms']:.2f} ms | {h['step_max_unqueued_ms']:.2f} ms "
@@ -505,10 +515,11 @@ def _cost_table(figures: dict) -> list[str]:
     out = ["Flush and merge, 8 replicas, each agent with 8 successors (milliseconds, medians over the 8 "
            "replicas and 5 rounds; in every round each replica has new traffic, so every peer's blob is "
            "fetched and decoded again):", "",
-           "| agents | transitions per replica | blob | encode | flush | read 7 peers | decode + fold + merge "
-           "| of which build | install (scheduler thread) |", "|---|---|---|---|---|---|---|---|---|"]
+           "| reader | agents | transitions per replica | blob | encode | flush | read 7 peers | decode + fold + merge "
+           "| of which build | install (scheduler thread) |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in figures["cost"]:
-        out.append(f"| {r['agents']:,} | {r['transitions_per_replica']:,} | {r['blob_bytes'] / 1024:,.1f} KiB "
+        out.append(f"| {r.get('reader', 'in-process')} | {r['agents']:,} | {r['transitions_per_replica']:,} "
+                   f"| {r['blob_bytes'] / 1024:,.1f} KiB "
                    f"| {r['steady_encode_ms']:.2f} | {r['steady_flush_ms']:.2f} | {r['steady_read_ms']:.2f} "
                    f"| {r['steady_merge_ms']:.2f} | {r['steady_build_ms']:.2f} | {r['steady_install_ms']:.3f} |")
     return out
@@ -554,16 +565,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="hostile: only these shapes, comma-separated (default: none, decoys and every shape)")
     ap.add_argument("--hostile-seconds", type=float, default=4.0, metavar="S",
                     help="hostile: seconds per shape and layout (default 4; the long-run tail needs 60-90)")
+    ap.add_argument("--readers", default="helper", metavar="NAMES",
+                    help="cost and hostile: who reads the peers, comma-separated: helper (the default "
+                         "setting, isolated_reader), in-process")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
     known = ["none", "decoys", *hostile_blobs(1024)]
     shapes = None if args.hostile_shapes is None else [x.strip() for x in args.hostile_shapes.split(",")]
     if shapes is not None and (not shapes or any(x not in known for x in shapes)):
         ap.error(f"--hostile-shapes {args.hostile_shapes!r}: choose from {', '.join(known)}")
+    readers = [x.strip() for x in args.readers.split(",")]
+    if not readers or any(x not in ("helper", "in-process") for x in readers):
+        ap.error(f"--readers {args.readers!r}: choose from helper, in-process")
     if not 0 < args.hostile_seconds < 86_400:
         ap.error(f"--hostile-seconds must be within (0, 86400), got {args.hostile_seconds}")
     with (contextlib.nullcontext(args.redis_url) if args.redis_url else private_redis()) as url:
-        figures: dict = {"cost": cost(url) if "cost" in sections else [], "join": [], "hostile": []}
+        figures: dict = {"cost": [row for reader in readers for row in cost(url, isolated=reader == "helper")]
+                         if "cost" in sections else [], "join": [], "hostile": []}
         print(f"{'agents':>6} {'cells':>6} {'blob':>8} {'encode':>7} {'flush':>7} {'read 1st':>8} {'read':>7} "
               f"{'merge 1st':>9} {'merge':>7} {'build':>7} {'install':>8}  (ms, medians over 8 replicas)")
         for r in figures["cost"]:
@@ -574,12 +592,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "hostile" in sections:
             # (the rejections are logged; quiet here)
             logging.getLogger("cachescout.shared_state").setLevel(logging.ERROR)
-            figures["hostile"] = hostile(url, seconds=args.hostile_seconds, shapes=shapes)
-            if not args.redis_url and can_run_apart():
-                with private_redis(cpus=_split_cpus()[1]) as apart_url:
-                    figures["hostile"] += hostile(apart_url, seconds=args.hostile_seconds, apart=True, shapes=shapes)
+            for reader in readers:
+                isolated = reader == "helper"
+                figures["hostile"] += hostile(url, seconds=args.hostile_seconds, shapes=shapes, isolated=isolated)
+                if not args.redis_url and can_run_apart():
+                    with private_redis(cpus=_split_cpus()[1]) as apart_url:
+                        figures["hostile"] += hostile(apart_url, seconds=args.hostile_seconds, apart=True,
+                                                      shapes=shapes, isolated=isolated)
             for h in figures["hostile"]:
-                print(f"hostile {h['cores']:<6} {h['shape']:<15} {h['entries']} x {h['blob_bytes']:>9,} B: "
+                print(f"hostile {h['reader']:<10} {h['cores']:<6} {h['shape']:<15} {h['entries']} x "
+                      f"{h['blob_bytes']:>9,} B: "
                       f"{h['rounds']} rounds of "
                       f"{h['round_ms']:.0f} ms; scheduler step p50 {h['step_p50_ms']:.2f} p99 {h['step_p99_ms']:.2f} "
                       f"max {h['step_max_ms']:.2f} ms ({h['step_max_unqueued_ms']:.2f} unqueued) "

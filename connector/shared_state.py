@@ -36,7 +36,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import SplitResult, urlsplit
 
 from cachescout.policy import (SHARED_NAME_PREFIX, CacheScoutPolicy, ConfigError, ExternalError, StateDecodeError,
@@ -46,10 +46,14 @@ from cachescout.policy.state import MAX_BLOB_BYTES
 
 from .state_store import FETCH_CHUNK_BYTES, NAME_RULE, SCHEMA, StateKeys, StateStore, StoreView
 
+if TYPE_CHECKING:
+    from .peer_reader import PeerReader
+
 log = logging.getLogger("cachescout.shared_state")
 
 _EPOCH = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _REJECT_LOG_INTERVAL_S = 600.0
+_READER_START_TRIES = 3  # failed starts of the helper process in a row before peers are read in this one
 _DEPARTED_FLOOR = 1e-3     # a departed blob weighing less than this is dropped (about 10 half-lives)
 
 
@@ -91,6 +95,8 @@ class SharedStateSettings:
                                    lo=60.0, hi=365 * 86400.0)
     max_blob_bytes: int = setting(4 * 1024 * 1024, "largest state entry read or written", lo=1024, hi=MAX_BLOB_BYTES)
     max_replicas: int = setting(256, "replicas whose entries are read", lo=1, hi=10_000)
+    isolated_reader: bool = setting(True, "fetch and check peers' entries in a helper process, off vLLM's "
+                                          "interpreter lock (docs/shared_state.md)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -324,6 +330,10 @@ class SharedLearnedState:
         self._failing_since: float | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Peers' entries are read by a helper process (peer_reader.py) when Redis is reached the
+        # usual way; a client handed in (tests, tools) is used in this process.
+        self._isolated = settings.isolated_reader and client_factory is connect
+        self._reader: PeerReader | None = None
 
     # -- scheduler thread ---------------------------------------------------------------------
     def attach(self, policy: CacheScoutPolicy) -> None:
@@ -384,11 +394,17 @@ class SharedLearnedState:
         """Stop the thread; with `final_flush`, write the last counts (bounded by the client timeouts).
         Never raises (vLLM's shutdown goes on after it)."""
         self._stop.set()
+        reader = self._reader
+        if reader is not None:
+            reader.kill()          # a round waiting on it ends now
         if self._thread is not None:
             self._thread.join(timeout if timeout is not None else 4 * self.settings.timeout_s + 1)
             self._thread = None
         if final_flush and self.problem is None:
             self.sync_now(read=False)
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.kill()          # (a final flush does not read)
         store, self._store = self._store, None
         if store is not None:
             try:
@@ -456,6 +472,15 @@ class SharedLearnedState:
 
     def _failed(self, exc: Exception) -> None:
         import redis.exceptions as rx
+        reader = self._reader
+        if reader is not None and reader.failed_starts >= _READER_START_TRIES:
+            # A helper process cannot be started here (no usable Python executable, a sandbox that
+            # forbids it): read peers in this process, paced, as without the helper.
+            self._isolated = False
+            self._reader = None
+            self.stats["reader_fallbacks"] += 1
+            log.warning("CacheScout shared state: %s, %d times in a row; reading peers' entries in this "
+                        "process from now on (paced; see docs/shared_state.md)", exc, reader.failed_starts)
         if isinstance(exc, rx.ResponseError) and "WRONGTYPE" in str(exc) and self._store is not None:
             try:
                 self._repair(self._store)
@@ -554,7 +579,10 @@ class SharedLearnedState:
                 self._repair(store)
             t1 = time.perf_counter()
             self._fetch_s = 0.0
-            self._merge(view, store)
+            if self._isolated:
+                self._merge_isolated(view, store)
+            else:
+                self._merge(view, store)
             merge = time.perf_counter() - t1 - self._fetch_s
             self.timings.update(read_s=t1 - t0 + self._fetch_s, merge_s=merge)
 
@@ -650,6 +678,88 @@ class SharedLearnedState:
             self._pacer()
         self._peers = peers
         self._rejected = rejected
+        self._fold_and_prune(view, store)
+        t0 = time.perf_counter()
+        # Everyone's counts summed into one set of rows, then one learner built from them.
+        total = self._shadow.decayed_rows()
+        departed = {b.name: b.at_ms for b in view.departed}
+        local = {shared: name for name, shared in self._names.items()}   # shared name -> this replica's
+        for name, peer in peers.items():
+            at = departed.get(name)
+            w = 1.0 if at is None else departed_weight(view.now_ms - at, s.departed_half_life_s)
+            if w > 0:
+                _renamed(peer.rows, local, w, drop_unknown=True, into=total, tick=self._pacer)
+        self._publish(total, view, t0)
+
+    def _merge_isolated(self, view: StoreView, store: StateStore) -> None:
+        """`_merge` with the peers' entries fetched, checked and summed by the helper process."""
+        s = self.settings
+        for entry in view.malformed:
+            self._reject(entry, 0, 0, "bookkeeping fields are not integers")
+        departed = {b.name: b.at_ms for b in view.departed}
+        rejected: dict[str, tuple[int, int]] = {}
+        asked: dict[str, tuple[int, int]] = {}
+        peers = []
+        for b in view.replicas + view.departed:
+            key = (b.gen, b.seq)
+            if b.blob is None:
+                self._reject(b.name, b.gen, b.seq, f"{b.size} bytes, over max_blob_bytes {s.max_blob_bytes}")
+                continue
+            if b.size <= 0:
+                continue     # registered, nothing flushed yet
+            if self._rejected.get(b.name) == key:
+                rejected[b.name] = key    # refused before and unchanged: not fetched, not decoded again
+                continue
+            at = departed.get(b.name)
+            w = 1.0 if at is None else departed_weight(view.now_ms - at, s.departed_half_life_s)
+            if w <= 0:
+                continue     # weighs nothing any more (pruned below)
+            asked[b.name] = key
+            peers.append((b.name, b.gen, b.seq, self.keys.blob(b.name) if at is None else self.keys.departed(b.name),
+                          b.size, w))
+        reader = self._reader
+        if reader is None:
+            from .peer_reader import PeerReader
+            hello = {"settings": {**dataclasses.asdict(self.settings), "sentinels": list(self.settings.sentinels)},
+                     "deployment": self.keys.deployment, "model": self.keys.model}
+            # A round's deadline: the helper's every Redis call is bounded by timeout_s, its
+            # decoding by max_blob_bytes; one that takes longer than this is stuck, and killed.
+            reader = self._reader = PeerReader(hello, deadline_s=30.0 + 4 * s.timeout_s * (s.retries + 1))
+        t0 = time.perf_counter()
+        local = {shared: name for name, shared in self._names.items()}   # shared name -> this replica's
+        starts = reader.starts
+        try:
+            verdicts, parts = reader.exchange({"epoch": self._epoch, "half_life": self.half_life, "names": local,
+                                               "peers": peers}, self._pacer)
+        finally:
+            self.stats["reader_starts"] += reader.starts - starts
+        self._fetch_s += time.perf_counter() - t0
+        for name, why in dict(verdicts.get("refused") or {}).items():
+            refused = asked.get(str(name))
+            if refused is not None:
+                rejected[str(name)] = refused
+                self._reject(str(name), refused[0], refused[1], str(why))
+        self._rejected = rejected
+        self._peers = {str(n): _Peer(asked[str(n)], {}) for n in verdicts.get("accepted") or () if str(n) in asked}
+        self._fold_and_prune(view, store)
+        t0 = time.perf_counter()
+        total = self._shadow.decayed_rows()
+        if parts:
+            try:
+                with _collector_deferred():
+                    summed = TransitionSnapshot.decode(parts, self._pacer)
+            except StateDecodeError as exc:
+                raise ExternalError(f"the helper process's sum of peers' counts was refused: {exc}") from None
+            del parts
+            for src, dsts in summed.decayed_rows().items():
+                row = total.setdefault(src, {})
+                for dst, c in dsts.items():
+                    row[dst] = row.get(dst, 0.0) + c
+                self._pacer()
+        self._publish(total, view, t0)
+
+    def _fold_and_prune(self, view: StoreView, store: StateStore) -> None:
+        s = self.settings
         # Fold in replicas that stopped flushing; drop departed counts that no longer weigh anything.
         fold_ms = s.fold_after_s * 1000
         for b in view.replicas:
@@ -662,16 +772,9 @@ class SharedLearnedState:
         pruned = store.prune_departed(int(view.now_ms - half_ms * math.log2(1 / _DEPARTED_FLOOR)),
                                       view.now_ms + 86_400_000)
         self.stats["departed_pruned"] += pruned
-        t0 = time.perf_counter()
-        # Everyone's counts summed into one set of rows, then one learner built from them.
-        total = self._shadow.decayed_rows()
-        departed = {b.name: b.at_ms for b in view.departed}
-        local = {shared: name for name, shared in self._names.items()}   # shared name -> this replica's
-        for name, peer in peers.items():
-            at = departed.get(name)
-            w = 1.0 if at is None else departed_weight(view.now_ms - at, s.departed_half_life_s)
-            if w > 0:
-                _renamed(peer.rows, local, w, drop_unknown=True, into=total, tick=self._pacer)
+
+    def _publish(self, total: Rows, view: StoreView, t0: float) -> None:
+        """Build one learner from everyone's summed counts and hand it to the scheduler thread."""
         merged = TransitionLearner(self.half_life, self.confidence_count_scale)
         for chunk in _chunks(total, 256):
             merged.absorb(chunk)

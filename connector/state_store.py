@@ -229,6 +229,7 @@ class StateKeys:
         for field, v in (("deployment", deployment), ("model", model)):
             if not isinstance(v, str) or not _NAME.match(v):
                 raise ConfigError(f"shared_state.{field} must be {NAME_RULE}, got {v!r}")
+        self.deployment, self.model = deployment, model
         self.prefix = f"cs:{{{deployment}|{model}}}:{SCHEMA}:"
         self.meta = self.prefix + "meta"
         self.replicas = self.prefix + "replicas"

@@ -106,6 +106,7 @@ def faulted(tmp_path_factory):
         r.close()
         out["plant_s"] = round(time.monotonic() - planting, 3)
         run("corrupted", 6)
+        out["helpers"] = _helpers_of(server.proc.pid)
         run("healed", 6)
         # On a loaded machine the round that clears the degraded level can come later: traffic goes
         # on until it is reported (or 30 s more), and the test below asserts that it was.
@@ -133,6 +134,29 @@ def faulted(tmp_path_factory):
     return out
 
 
+def _helpers_of(pid: int) -> list[int]:
+    """The peer-reading helper processes descended from process `pid` (vLLM's API server starts its
+    engine core as a child; the shared state lives there)."""
+    children: dict[int, list[int]] = {}
+    cmdline: dict[int, bytes] = {}
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmdline[int(d.name)] = (d / "cmdline").read_bytes()
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    found, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            todo.append(c)
+            if b"cachescout.connector.peer_reader" in cmdline.get(c, b""):
+                found.append(c)
+    return found
+
+
 def test_every_request_answered_with_its_greedy_output_through_every_fault(faulted):
     calls = faulted["calls"]
     assert {p for p, _, _ in calls} == set(faulted["phases"])          # traffic in every phase
@@ -149,6 +173,9 @@ def test_the_shared_state_counted_the_faults_and_healed(faulted):
     assert m.get("vllm:cachescout_state_rejected_blobs", 0) > 0         # the hostile entries were refused
     assert m.get("vllm:cachescout_state_flushes", 0) > 0
     assert m.get("vllm:cachescout_shared_state_degraded", 1) == 0       # and it recovered
+    # The hostile entries were read by the helper process inside vLLM's engine, not in vLLM's own.
+    assert len(faulted["helpers"]) == 1, faulted["helpers"]
+    assert "reading peers' entries in this process" not in faulted["log"]
     # No traceback through CacheScout's code while serving (the server is killed at the end: vLLM
     # logs its engine's death then, which is not ours).
     lines = faulted["log"].splitlines()
