@@ -86,8 +86,12 @@ class PeerReader:
         self.failed_starts += 1
         # stderr goes nowhere: the helper reports through its answers, and Python's own complaints
         # (it cannot start) show as the exit code below.
-        proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL, close_fds=True)
+        try:
+            proc = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.DEVNULL, close_fds=True)
+        except OSError as exc:
+            raise PeerReaderError(f"the helper process reading peers' entries could not be started "
+                                  f"({type(exc).__name__}: {exc})") from None
         self._proc = proc
         self._stop = weakref.finalize(self, _stop_helper, proc)
         try:

@@ -783,6 +783,7 @@ def test_where_no_helper_can_start_peers_are_read_in_this_process(redis_server, 
             assert not a[1].sync_now()        # counted as failed rounds, never raised
             a[1].breaker.success()            # (the breaker would pace the retries)
     assert "reading peers' entries in this process from now on" in caplog.text
+    assert "could not be started (FileNotFoundError" in caplog.text
     assert a[1].stats["reader_fallbacks"] == 1 and a[1]._reader is None
     sync(a)
     assert counts(a[0]) == {("x", "z"): 2.0}
