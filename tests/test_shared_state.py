@@ -667,6 +667,7 @@ def test_the_hostile_benchmark_measures_every_shape_and_each_is_refused(redis_se
     for r in rows:
         assert r["rounds"] > 0 and r["steps"] > 0 and r["step_max_ms"] >= r["step_p99_ms"] >= r["step_p50_ms"]
         assert r["lock_wait_max_ms"] <= r["step_max_unqueued_ms"] + 1e-9
+        assert r["step_max_less_gc_ms"] <= r["step_max_ms"] + 1e-9 and r["gc_max_ms"] >= 0.0
         # ("distinct cells" is a valid snapshot, refused only beyond the cell limit: at 4 MiB, not here)
         if r["shape"] != "distinct cells":
             assert (r["rejected"] >= r["rounds"]) == (r["shape"] not in ("none", "decoys")), r
