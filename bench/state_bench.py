@@ -148,6 +148,8 @@ def hostile(url: str, entries: int = 8, size: int = 4 * 1024 * 1024, seconds: fl
     runs = [("none", b"", 0, False), ("decoys", next(iter(blobs.values())), entries, True),
             *((shape, blob, entries, False) for shape, blob in blobs.items())]
     if shapes is not None:
+        # "alone" only on request: the stand-in with no rounds at all, the machine's own noise floor
+        runs = [("alone", b"", 0, False), *runs]
         runs = [run for run in runs if run[0] in shapes]
     mine = os.sched_getaffinity(0)
     own, others = _split_cpus() if apart else (mine, None)
@@ -281,6 +283,8 @@ def _hostile_run(attacker: _Attacker, url: str, deployment: str, shape: str, blo
     t.start()
     rounds, busy = 0, 0.0
     deadline = time.monotonic() + seconds
+    while shape == "alone" and time.monotonic() < deadline:
+        time.sleep(0.05)                       # no rounds: only the stand-in runs in this process
     while time.monotonic() < deadline:
         if entries:                            # rewritten: every round must fetch and decode them again
             attacker.rewrite(rounds + 1)
@@ -296,7 +300,8 @@ def _hostile_run(attacker: _Attacker, url: str, deployment: str, shape: str, blo
     total = sorted(s for s, _, _, _, _ in steps)
     calm = [(u, w) for _, u, x, w, _ in steps if not x] or [(0.0, 0.0)]
     return {"shape": shape, "entries": entries, "blob_bytes": len(blob), "rounds": rounds, "decoy": decoy,
-            "round_ms": busy / rounds * 1000, "rejected": st.get("rejected_blobs", 0), "steps": len(steps),
+            "round_ms": busy / rounds * 1000 if rounds else 0.0, "rejected": st.get("rejected_blobs", 0),
+            "steps": len(steps),
             "step_p50_ms": total[len(total) // 2], "step_p99_ms": total[int(len(total) * 0.99)],
             "step_max_ms": total[-1], "steps_stolen": sum(x for _, _, x, _, _ in steps),
             "step_max_less_gc_ms": max((s - g for s, _, _, _, g in steps), default=0.0),
@@ -588,7 +593,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=3, help="seeds per family for the join figures (default 3)")
     ap.add_argument("--sections", default="cost,join,hostile", help="which figures (default cost,join,hostile)")
     ap.add_argument("--hostile-shapes", default=None, metavar="NAMES",
-                    help="hostile: only these shapes, comma-separated (default: none, decoys and every shape)")
+                    help="hostile: only these shapes, comma-separated (default: none, decoys and every shape; "
+                         "\"alone\", the stand-in with no rounds at all, only when named)")
     ap.add_argument("--hostile-seconds", type=float, default=4.0, metavar="S",
                     help="hostile: seconds per shape and layout (default 4; the long-run tail needs 60-90)")
     ap.add_argument("--readers", default="helper", metavar="NAMES",
@@ -596,7 +602,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                          "setting, isolated_reader), in-process")
     args = ap.parse_args(argv)
     sections = set(args.sections.split(","))
-    known = ["none", "decoys", *hostile_blobs(1024)]
+    known = ["alone", "none", "decoys", *hostile_blobs(1024)]
     shapes = None if args.hostile_shapes is None else [x.strip() for x in args.hostile_shapes.split(",")]
     if shapes is not None and (not shapes or any(x not in known for x in shapes)):
         ap.error(f"--hostile-shapes {args.hostile_shapes!r}: choose from {', '.join(known)}")
