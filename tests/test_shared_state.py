@@ -676,6 +676,8 @@ def test_the_hostile_benchmark_measures_every_shape_and_each_is_refused(redis_se
     some = state_bench.hostile(redis_server.url, entries=1, size=64 * 1024, seconds=0.1, shapes=["none", "empty maps"])
     assert [r["shape"] for r in some] == ["none", "empty maps"] and "back to back for 0.1 s" in "\n".join(
         state_bench._hostile_table({"hostile": some}))
+    alone = state_bench.hostile(redis_server.url, entries=1, size=64 * 1024, seconds=0.1, shapes=["alone"])
+    assert [(r["shape"], r["rounds"]) for r in alone] == [("alone", 0)] and alone[0]["steps"] > 0
     with pytest.raises(SystemExit):
         state_bench.main(["--sections", "hostile", "--hostile-shapes", "empty arrays,nosuch"])
 
