@@ -734,6 +734,8 @@ class SharedLearnedState:
             asked[b.name] = key
             peers.append((b.name, b.gen, b.seq, self.keys.blob(b.name) if at is None else self.keys.departed(b.name),
                           b.size, w))
+        if self._stop.is_set():
+            return       # closing: no helper is started again (close() stopped it)
         reader = self._reader
         if reader is None:
             from .peer_reader import PeerReader

@@ -792,3 +792,20 @@ def test_where_no_helper_can_start_peers_are_read_in_this_process(redis_server, 
     assert counts(a[0]) == {("x", "z"): 2.0}
     a[1].close()
     b[1].close()
+
+
+def test_closing_while_a_round_runs_leaves_no_helper_behind(redis_server):
+    import threading
+    a, b = make(redis_server.url, "a", flush_interval_s=0.05, fold_after_s=1.0), make(redis_server.url, "b")
+    learn(b[0], [("x", "z")], 2)
+    sync(b)
+    a[1].start()                              # rounds back to back in the background thread
+    deadline = time.monotonic() + 10
+    while a[1]._reader is None or a[1]._reader.pid is None:
+        assert time.monotonic() < deadline, a[1].status()
+        time.sleep(0.01)
+    pid = a[1]._reader.pid
+    a[1].close()
+    assert a[1]._reader is None and not _alive(pid)
+    assert not [t for t in threading.enumerate() if t.name == "cachescout-state"]
+    b[1].close()
