@@ -58,6 +58,7 @@ class PeerReader:
         self._stop: weakref.finalize | None = None   # stops the helper, also if this object is dropped
         self.starts = 0
         self.failed_starts = 0   # in a row
+        self.closed = False      # terminate() was called: no helper is started again
 
     def exchange(self, request: Mapping[str, Any], tick: Callable[[], None] | None = None) -> tuple[dict, list[bytes]]:
         """(verdicts, the summed snapshot's bytes in parts) for one round's `request`."""
@@ -82,6 +83,8 @@ class PeerReader:
 
     def _start(self) -> subprocess.Popen:
         self.kill()
+        if self.closed:
+            raise PeerReaderError("the helper process reading peers' entries is stopped (closing)")
         self.starts += 1
         self.failed_starts += 1
         # stderr goes nowhere: the helper reports through its answers, and Python's own complaints
@@ -94,6 +97,9 @@ class PeerReader:
                                   f"({type(exc).__name__}: {exc})") from None
         self._proc = proc
         self._stop = weakref.finalize(self, _stop_helper, proc)
+        if self.closed:          # terminate() came while it started
+            self.kill()
+            raise PeerReaderError("the helper process reading peers' entries is stopped (closing)")
         try:
             deadline = time.monotonic() + min(_READY_S, self.deadline_s)
             _write(proc, msgpack.packb(self._hello, use_bin_type=True), deadline)
@@ -110,8 +116,22 @@ class PeerReader:
         self.failed_starts = 0
         return proc
 
+    def terminate(self) -> None:
+        """From another thread than the one asking (a shutdown): kill the helper process, so that a
+        round waiting on it ends at once (it reads the end of the pipe), and start none again. The
+        pipes are left to the asking thread (`kill`): closed from here, their descriptor numbers
+        could be reused by another file while that thread still reads them. Never raises."""
+        self.closed = True
+        proc = self._proc
+        if proc is not None:
+            try:
+                proc.kill()
+            except OSError:
+                pass
+
     def kill(self) -> None:
-        """Stop the helper (closing its stdin first: it exits at once then). Never raises."""
+        """Stop the helper (closing its stdin first: it exits at once then), from the thread that
+        asks it (or once that thread is gone). Never raises."""
         self._proc = None
         stop, self._stop = self._stop, None
         if stop is not None:
@@ -251,6 +271,7 @@ def _serve(stdin: Any, stdout: Any) -> int:
         send(msgpack.packb({"error": f"{type(exc).__name__}: {exc}"}))
         return 1
     send(msgpack.packb({"ready": True}))
+    _background_priority()
     while True:
         raw = read()
         if raw is None:
@@ -264,9 +285,10 @@ def _serve(stdin: Any, stdout: Any) -> int:
         send(body)
 
 
-def main() -> int:
-    # Background work: it runs on CPU time vLLM's threads leave idle (Linux's SCHED_IDLE: a thread
-    # of vLLM's that wakes takes the CPU from it at once), elsewhere at the lowest priority.
+def _background_priority() -> None:
+    """From the first round on, run on CPU time vLLM's threads leave idle (Linux's SCHED_IDLE: a
+    thread of vLLM's that wakes takes the CPU from it at once), elsewhere at the lowest priority.
+    (Started at normal priority: on a saturated machine an idle-priority start would never end.)"""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
@@ -274,6 +296,9 @@ def main() -> int:
             os.nice(19)
         except OSError:
             pass
+
+
+def main() -> int:
     # The frames go to the original stdout; anything else printed goes to stderr instead.
     out = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)

@@ -413,15 +413,20 @@ class SharedLearnedState:
         self._stop.set()
         reader = self._reader
         if reader is not None:
-            reader.kill()          # a round waiting on it ends now
+            reader.terminate()     # a round waiting on it ends now
+        alive = False
         if self._thread is not None:
             self._thread.join(timeout if timeout is not None else 4 * self.settings.timeout_s + 1)
+            alive = self._thread.is_alive()
             self._thread = None
         if final_flush and self.problem is None:
             self.sync_now(read=False)
-        reader, self._reader = self._reader, None
+        reader = self._reader
         if reader is not None:
-            reader.kill()          # (a final flush does not read)
+            reader.terminate()
+            if not alive:          # its pipes are the thread's while it runs (see terminate)
+                self._reader = None
+                reader.kill()
         store, self._store = self._store, None
         if store is not None:
             try:
