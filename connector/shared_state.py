@@ -775,11 +775,7 @@ class SharedLearnedState:
             except StateDecodeError as exc:
                 raise ExternalError(f"the helper process's sum of peers' counts was refused: {exc}") from None
             del parts
-            for src, dsts in summed.decayed_rows().items():
-                row = total.setdefault(src, {})
-                for dst, c in dsts.items():
-                    row[dst] = row.get(dst, 0.0) + c
-                self._pacer()
+            _renamed(summed.decayed_rows(), {}, into=total, tick=self._pacer)   # (already renamed: added)
         self._publish(total, view, t0)
 
     def _fold_and_prune(self, view: StoreView, store: StateStore) -> None:
