@@ -217,6 +217,7 @@ class SchedulerSide:
         now: dict[str, float] = dict(self.steering.stats)
         for k in _POLICY_COUNTERS:
             now[k] = self.policy.stats.get(k, 0)
+        now.update(self.policy.guard_counters())
         now.update(self.warm_stats)
         if self.warmup is not None:
             now.update(self.warmup.stats)

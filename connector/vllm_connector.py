@@ -67,6 +67,8 @@ class CacheScoutStats(KVConnectorStats):
         steps = d.get("steps", 0)
         if steps:
             d["decision_us_per_step"] = round(1e6 * d.get("decision_s", 0.0) / steps, 2)
+        if d.get("guard_compared"):
+            d["guard_gain"] = round((d.get("guard_hits", 0) - d.get("guard_lru_hits", 0)) / d["guard_compared"], 4)
         if d.get("predictions"):
             d["prediction_accuracy"] = round(d.get("predictions_correct", 0) / d["predictions"], 4)
         if "state_degraded" in d:
@@ -89,6 +91,12 @@ PROM_COUNTERS = {
     "steer_steps": "steps that reordered the free queue",
     "evictions_seen": "evictions of blocks CacheScout tracked",
     "bad_hints": "malformed cachescout.* hints in kv_transfer_params (ignored)",
+    "guard_compared": "sampled block accesses the LRU guard compared with its shadow LRU cache",
+    "guard_hits": "of which the GPU prefix cache hit (under CacheScout's order)",
+    "guard_lru_hits": "of which plain LRU would have hit (queued requests' blocks kept last)",
+    "guard_trusted_windows": "guard windows in which the learned order was used",
+    "guard_lru_windows": "guard windows on plain LRU order (after the order lost to LRU)",
+    "guard_cuts": "times the guard fell back to plain LRU order",
     "steps": "scheduler steps seen",
     "decision_s": "CPU seconds of the scheduler's thread spent in CacheScout's per-step work",
     "state_flushes": "flushes of this replica's learned counts to the shared state",

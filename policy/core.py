@@ -641,6 +641,11 @@ class CacheScoutPolicy:
         """The learned chain's edges (source, destination, decayed count)."""
         return list(self._chain.learner.edges())
 
+    def guard_counters(self) -> dict[str, int]:
+        """The LRU guard's cumulative counts (guard.py `counters`): how the eviction order is doing
+        against plain LRU on this traffic, for metrics."""
+        return self._guard.counters()
+
     def inspect(self) -> PolicyInternals:
         """The components as they are now, for tests and the microbench (see `PolicyInternals`)."""
         return PolicyInternals(self._chain.learner, self._fingerprints, self._sessions, self._index, self._scorer,

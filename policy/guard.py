@@ -128,6 +128,13 @@ class LruGuard:
         self.total_ours = 0
         self.total_lru = 0
         self.total_seen = 0
+        # For operators (`counters`): every comparison as it is made, windows closed or not.
+        self.compared = 0
+        self.compared_ours = 0
+        self.compared_lru = 0
+        self.cuts = 0                 # times trust was cut to 0
+        self.trusted_windows = 0      # windows closed with the model trusted ...
+        self.lru_windows = 0          # ... and on plain LRU
         self._requests = 0            # requests with a sampled access, this window
         self.windows: list[float] = []   # recent windows' (ours - lru) / accesses
         self._trusted_mean = 0.0         # recent mean of trusted windows' bias-corrected differences
@@ -161,7 +168,7 @@ class LruGuard:
         held, free, resident = self._held, self._free, self._resident
         prefix_lru = True
         sample = self.sample
-        seen = self._seen
+        seen, ours, lru = self._seen, self._ours, self._lru
         compared = len(keys) if hittable is None else hittable
         for i in range(len(keys)):
             key = keys[i]
@@ -177,6 +184,9 @@ class LruGuard:
             held.add(key)
         if self._seen > seen:
             self._requests += 1
+            self.compared += self._seen - seen
+            self.compared_ours += self._ours - ours
+            self.compared_lru += self._lru - lru
         self._trim()
         if (self._seen >= _WINDOW and self._requests >= _WINDOW_REQUESTS) or (
                 self._requests >= _WINDOW_MAX_REQUESTS and self._seen >= _WINDOW_MIN):
@@ -281,6 +291,7 @@ class LruGuard:
         self.total_seen += self._seen
         self._ours = self._lru = self._seen = self._requests = 0
         if self.trust == 0.0:
+            self.lru_windows += 1
             # The real cache follows LRU's order here: the difference is the shadow's own error,
             # and what the model's order left behind in the cache. Its spread says how far a
             # window may miss by chance; its mean is no correction (a model that did harm would
@@ -295,6 +306,7 @@ class LruGuard:
                 self.trust = 1.0          # try the model again
                 self._trusted_mean, self._trusted_n = 0.0, 0
             return
+        self.trusted_windows += 1
         measured = self._control >= _MIN_CONTROL
         d = delta
         spread = math.sqrt(self._spread2) if measured else _PRIOR_SPREAD
@@ -305,10 +317,20 @@ class LruGuard:
         error = spread / math.sqrt(effective)
         if d <= -_FAR_WORSE * spread or self._trusted_mean < -_SIGNIFICANT * error:
             self.trust = 0.0
+            self.cuts += 1
             self._wait = self._backoff
             self._backoff = min(_MAX_BACKOFF, 2 * self._backoff)
         elif n >= _PROVEN and self._trusted_mean > _SIGNIFICANT * error:
             self._backoff = max(1, self._backoff // 2)   # clearly better than LRU: retries come sooner again
+
+    def counters(self) -> dict[str, int]:
+        """Cumulative counts for operators: sampled accesses compared, the real cache's hits on
+        them and the shadow LRU's, and how the windows went. Over any interval, (hits - lru hits) /
+        compared is the order's measured gain over LRU (with queued requests' blocks kept last) on
+        the calls as they arrived."""
+        return {"guard_compared": self.compared, "guard_hits": self.compared_ours, "guard_lru_hits": self.compared_lru,
+                "guard_trusted_windows": self.trusted_windows, "guard_lru_windows": self.lru_windows,
+                "guard_cuts": self.cuts}
 
     def estimated_gain(self) -> float | None:
         """Hit-rate gain over plain LRU measured so far (share of sampled block accesses)."""

@@ -128,6 +128,11 @@ def test_stats_reach_vllm_as_connector_stats(runs):
     reduced = stats.reduce()
     assert reduced["steps"] > 0 and reduced["decision_us_per_step"] > 0
     assert 0 < reduced["prediction_accuracy"] <= 1
+    # The guard's comparison with plain LRU: what an operator reads to see the order's effect.
+    guard = connector.policy.guard_counters()
+    assert 0 < reduced["guard_compared"] == guard["guard_compared"]
+    assert reduced["guard_hits"] == guard["guard_hits"] and reduced["guard_lru_hits"] == guard["guard_lru_hits"]
+    assert reduced["guard_gain"] == round((guard["guard_hits"] - guard["guard_lru_hits"]) / guard["guard_compared"], 4)
     merged = type(connector).build_kv_connector_stats(dict(stats.data)).aggregate(stats)
     assert merged.data["steps"] == 2 * stats.data["steps"]
 
@@ -251,6 +256,7 @@ def test_prometheus_counters_follow_the_stats(runs):
     assert registry.get_sample_value("vllm:cachescout_gpu_hit_tokens_total", labels) == 2 * data["gpu_hit_tokens"]
     assert 0 < data["gpu_hit_tokens"] < data["prompt_tokens"]
     assert registry.get_sample_value("vllm:cachescout_fallback_to_lru", labels) == 0
+    assert registry.get_sample_value("vllm:cachescout_guard_compared_total", labels) == 2 * data["guard_compared"] > 0
     # Workers' counts (summed by vLLM into the same stats) and the shared state's level.
     prom.observe({"cpu_no_evictable": 3, "prefetch_chunks_loaded": 20, "state_degraded": 1}, 0)
     assert registry.get_sample_value("vllm:cachescout_cpu_no_evictable_total", labels) == 3

@@ -102,7 +102,8 @@ def test_shadow_held_to_lru_order_holds_what_the_real_cache_holds(sample):
     blocks take a changing share of the cache: any gap would bias the trust."""
     sessions, _ = load_trace(CONVERSATIONS, TraceOptions())
     bs = sessions[0].calls[0].block_size
-    policy = CacheScoutReplay(PolicyConfig(block_size=bs, min_confidence=1.0))   # never confident
+    policy = make_policy("cachescout-unsure", PolicyConfig(block_size=bs))   # never confident
+    assert isinstance(policy, CacheScoutReplay) and policy.core.cfg.min_confidence == 1.0
     g = policy.core.inspect().guard
     g.sample = sample
     lru = Engine(EngineConfig(gpu_blocks=3000, block_size=bs), make_policy("lru", PolicyConfig(block_size=bs)))
@@ -171,6 +172,11 @@ def test_guard_cuts_trust_when_the_model_loses_and_retries_with_backoff():
     assert g.trust == 1.0
     _feed(g, 3, ours_hits=True, lru_hits=False)     # clearly better: stays trusted
     assert g.trust == 1.0 and g.estimated_gain() > 0
+    # What operators see (as metrics): two cuts, three windows on LRU, five trusted; per window
+    # 2,048 accesses, the model's hits in six windows, the shadow's in five.
+    window = guard_mod._WINDOW
+    assert g.counters() == {"guard_compared": 8 * window, "guard_hits": 6 * window, "guard_lru_hits": 5 * window,
+                            "guard_trusted_windows": 5, "guard_lru_windows": 3, "guard_cuts": 2}
 
 
 def test_shadow_never_evicts_held_blocks():

@@ -49,6 +49,10 @@ def test_prefix_hits_are_real_and_cachescout_steered_vllms_cache(report):
         ours = results[config]["cachescout"]           # the vllm:cachescout_* series of /metrics
         assert ours["requests"] == results[config]["calls"]
         assert ours["steered_blocks"] > 0 and ours["evictions_seen"] > 0
+        # The guard compared the real cache with its shadow LRU, and says so to operators.
+        assert ours["guard_compared"] > 0
+        for key in ("guard_hits", "guard_lru_hits"):
+            assert 0 <= ours[key] <= ours["guard_compared"]
     assert results["prefix"]["cachescout"] == {} and results["lmcache"]["cachescout"] == {}
 
 
