@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import cast
 
@@ -94,6 +95,15 @@ class CacheScoutReplay(ReplayPolicy):
             self.core.finish(req, now, output_chunks=call.output_chunks)
 
 
+def guard_gain(policy: ReplayPolicy) -> float | None:
+    """CacheScout's own measure of its order against plain LRU over a run (the LRU guard's hits
+    minus its shadow's, per sampled access compared); None for other policies or no comparison."""
+    if not isinstance(policy, CacheScoutReplay):
+        return None
+    c = policy.core.guard_counters()
+    return (c["guard_hits"] - c["guard_lru_hits"]) / c["guard_compared"] if c["guard_compared"] else None
+
+
 # Each factory gets the policy settings and the workload (only belady looks at the future).
 REGISTRY: dict[str, Callable[[PolicyConfig, Sequence[Session]], ReplayPolicy]] = {
     "lru": lambda cfg, sessions: LRUPolicy(),
@@ -101,6 +111,10 @@ REGISTRY: dict[str, Callable[[PolicyConfig, Sequence[Session]], ReplayPolicy]] =
     "cachescout-hints": lambda cfg, sessions: CacheScoutReplay(cfg, hints=True, name="cachescout-hints"),
     "cachescout-hashonly": lambda cfg, sessions: CacheScoutReplay(cfg, tokens=False, name="cachescout-hashonly"),
     "cachescout-noprefetch": lambda cfg, sessions: CacheScoutReplay(cfg, prefetch=False, name="cachescout-noprefetch"),
+    # Never confident: LRU order with queued requests' blocks kept last, what CacheScout does
+    # without its model (so the model's own part is `cachescout` against this).
+    "cachescout-unsure": lambda cfg, sessions: CacheScoutReplay(dataclasses.replace(cfg, min_confidence=1.0),
+                                                                name="cachescout-unsure"),
     "lmcache-lru": lambda cfg, sessions: LMCacheLRUPolicy(),
     "continuum": lambda cfg, sessions: ContinuumPolicy(),
     "kvflow": lambda cfg, sessions: KVFlowPolicy(sessions, cfg.block_size),

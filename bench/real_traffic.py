@@ -30,7 +30,7 @@ from typing import Any
 from cachescout.policy import NATIVE_STATUS, PolicyConfig
 
 from .bound import belady_hits
-from .policies import REGISTRY, make_policy
+from .policies import REGISTRY, guard_gain, make_policy
 from .replay import CostProfile, Engine, EngineConfig, PromptKeys
 from .run import calibrate_gpu_blocks, timing
 from .table import render
@@ -68,14 +68,16 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         cost = timing(base, j)
         best = 0.0
         for name in cell.policies:
+            policy = make_policy(name, cfg, sessions)
             engine = Engine(EngineConfig(gpu_blocks=blocks, block_size=bs, cpu_blocks=cpu, cost=cost),
-                            make_policy(name, cfg, sessions), keys).record()
+                            policy, keys).record()
             s = engine.run(sessions).summary()
+            s["guard_gain"] = guard_gain(policy)
             assert engine.log is not None
             best = max(best, belady_hits(engine.log, blocks, bs) / s["prompt_tokens"])
             engine.log = None
-            runs[name].append({k: s[k] for k in ("token_hit_rate", "gpu_token_hit_rate", "ttft_mean_ms",
-                                                  "ttft_p99_ms", "prefetch_precision") if s[k] is not None})
+            runs[name].append({k: s[k] for k in ("token_hit_rate", "gpu_token_hit_rate", "ttft_mean_ms", "ttft_p99_ms",
+                                                  "prefetch_precision", "guard_gain") if s[k] is not None})
         bounds.append(best)
     out: dict[str, Any] = {"count": cell.count, "seed": cell.seed, "loop": cell.loop, "target": cell.target,
                            "gpu_blocks": blocks, "cpu_blocks": cpu, "calls": sum(len(s.calls) for s in sessions),
@@ -116,7 +118,7 @@ def distinct(cells: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
 
 def summarize(cells: list[dict[str, Any]], ours: str = "cachescout", base: str = "lru") -> dict[str, Any]:
     """The worst and mean differences of `ours` against `base` over every cell."""
-    diffs, ratios, p99, precision, worse, below, slower = [], [], [], [], 0, 0, 0
+    diffs, ratios, p99, precision, gains, worse, below, slower = [], [], [], [], [], 0, 0, 0
     for c in cells:
         a, b = c["policies"].get(ours), c["policies"].get(base)
         if a is None or b is None:
@@ -132,6 +134,8 @@ def summarize(cells: list[dict[str, Any]], ours: str = "cachescout", base: str =
         p99.append(a["ttft_p99_ms"] / b["ttft_p99_ms"] if b["ttft_p99_ms"] else 1.0)
         if "prefetch_precision" in a:
             precision.append(a["prefetch_precision"])
+        if "guard_gain" in a:
+            gains.append(a["guard_gain"])
     if not diffs:
         return {}
     out = {"policy": ours, "against": base, "cells": len(diffs),
@@ -142,6 +146,8 @@ def summarize(cells: list[dict[str, Any]], ours: str = "cachescout", base: str =
            "ttft_p99_ratio_max": max(p99), "ttft_p99_ratio_mean": statistics.fmean(p99)}
     if precision:
         out["prefetch_precision_mean"] = statistics.fmean(precision)
+    if gains:
+        out.update(guard_gain_min=min(gains), guard_gain_mean=statistics.fmean(gains), guard_gain_max=max(gains))
     return out
 
 

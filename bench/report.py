@@ -107,7 +107,8 @@ calls, cache sizes and run.
   and prefetch from the *true* workflow graph, agents, sessions and anchors), `cachescout` (given
   nothing but block hashes and token ids), `cachescout-noprefetch`, `cachescout-hints` (the framework
   also passes agent and session ids), `cachescout-hashonly` (block hashes only, as a trace without
-  token ids gives), `belady`. How the competitors are modelled: `bench/baselines.py`.
+  token ids gives), `cachescout-unsure` (never confident in its model: LRU order with queued
+  requests' blocks kept last), `belady`. How the competitors are modelled: `bench/baselines.py`.
 """
 
 TRACE_TITLE = "A trace through vLLM's scheduler"
@@ -231,7 +232,12 @@ rate by up to a point, so each cell is the mean of {jitters} timings (prefill co
 steps), every policy on the same ones; `LRU spread` is LRU's standard deviation over them and `±` the
 standard error of the paired difference. `bound` is Belady over each run's own calls, the most of
 the cell's runs. Where a mix's largest call needs a cache at which LRU already hits more than a
-target, that cell is the same for several targets and is shown once.
+target, that cell is the same for several targets and is shown once. `cachescout-unsure` is
+CacheScout never confident in its model (LRU order with queued requests' blocks kept last): what
+`cachescout` adds to it is the model's order. The guard's measure in the summaries is CacheScout's
+own, made while it runs: its hits minus its shadow LRU's on the same calls, per sampled access. It
+sees what the order does on the calls as they came, not what the order changes in *when* they come
+(closed loop; see [policy.md](policy.md#lru-guard-guardpy)).
 """
 REAL_RUN_TEXT = """{tiers}
 
@@ -277,6 +283,11 @@ def trace_runs(root: str) -> str:
     return "\n".join(parts)
 
 
+def _points(share: float) -> str:
+    """A share as signed points, two decimals, with no "-0.00"."""
+    return f"{round(100 * share, 2) + 0.0:+.2f}"
+
+
 def real_traffic_section(report: dict, intro: bool = True) -> str:
     """The real-traffic matrix (bench/real_traffic.py's JSON) as a section of results.md; `intro`:
     with the text that says what the matrix is (the first of several matrices)."""
@@ -307,6 +318,9 @@ def real_traffic_section(report: dict, intro: bool = True) -> str:
             f"{s['cells_ttft_over_1.02x']} cells above 1.02x); p99 TTFT {s['ttft_p99_ratio_mean']:.3f}x "
             f"(at most {s['ttft_p99_ratio_max']:.3f}x)"
             + (f"; prefetch precision {s['prefetch_precision_mean']:.0%}" if "prefetch_precision_mean" in s else "")
+            + (f"; its guard's measure of the order alone (hits over its shadow LRU's, per sampled access) "
+               f"{_points(s['guard_gain_mean'])} points on average ({_points(s['guard_gain_min'])} to "
+               f"{_points(s['guard_gain_max'])})" if "guard_gain_mean" in s else "")
             + ".")
     return "\n".join(lines) + "\n"
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from cachescout.policy import NATIVE_STATUS, ExternalError, InputError, PolicyConfig, check_fields, setting
 
 from .metrics import inference_accuracy
-from .policies import make_policy
+from .policies import guard_gain, make_policy
 from .bound import belady_hits
 from .replay import CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys, blocks_needed
 from .table import render
@@ -285,6 +285,9 @@ def _replay(policy_name: str, sessions: Sequence[Session], cfg: EngineConfig, po
     summary["run_bound_gpu_hit_rate"] = (belady_hits(cast(list, engine.log), cfg.gpu_blocks, cfg.block_size)
                                          / summary["prompt_tokens"] if summary["prompt_tokens"] else 0.0)
     engine.log = None
+    gain = guard_gain(policy)
+    if gain is not None:
+        summary["guard_gain"] = gain
     observations = getattr(policy, "observations", None)
     if observations is not None and labelled:
         summary.update(inference_accuracy(observations, warmup=min(200, calls // 10)))

@@ -26,8 +26,12 @@ def test_a_small_matrix_reports_every_policy_against_lru_and_the_bound(tmp_path,
         for r in (lru, ours):
             assert r["gpu_token_hit_rate"] <= c["bound_gpu_hit_rate"] + 1e-9
         assert 0.0 < lru["token_hit_rate"] < 1.0
+        # CacheScout's own measure of its order against LRU (its guard's), per run; LRU has none.
+        assert "guard_gain" not in lru and all(-1.0 < r["guard_gain"] < 1.0 for r in ours["runs"])
     summary = report["summary"]["cachescout"]
     assert summary["cells"] == 2 and summary["against"] == "lru"
+    gains = [c["policies"]["cachescout"]["guard_gain"] for c in cells]
+    assert summary["guard_gain_min"] == pytest.approx(min(gains))
     diffs = [c["policies"]["cachescout"]["token_hit_rate"] - c["policies"]["lru"]["token_hit_rate"] for c in cells]
     assert summary["hit_difference_min"] == pytest.approx(min(diffs))
     assert "closed" in capsys.readouterr().out
@@ -36,6 +40,7 @@ def test_a_small_matrix_reports_every_policy_against_lru_and_the_bound(tmp_path,
     first, second = real_traffic_section(report), real_traffic_section(report, intro=False)
     assert first.count("Recorded agentic coding traffic") == 1 and "Recorded agentic" not in second
     assert "--closed 4 --open 3" in second and "GPU tier only." in second
+    assert f"{round(100 * summary['guard_gain_mean'], 2) + 0.0:+.2f} points on average" in second
     # Spliced into results.md alone: the recorded traces' tables (their own, longer runs) stay, and
     # the section says when and where it was measured (the file's footer dates the rest).
     import datetime
