@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import cast
 
-from cachescout.policy import CacheScoutPolicy, Hints, InputError, PolicyConfig
+from cachescout.policy import CacheScoutPolicy, Hints, InputError, PolicyConfig, measured_gain
 
 from .belady import BeladyPolicy
 from .baselines import ContinuumPolicy, KVFlowPolicy
@@ -100,8 +100,7 @@ def guard_gain(policy: ReplayPolicy) -> float | None:
     minus its shadow's, per sampled access compared); None for other policies or no comparison."""
     if not isinstance(policy, CacheScoutReplay):
         return None
-    c = policy.core.guard_counters()
-    return (c["guard_hits"] - c["guard_lru_hits"]) / c["guard_compared"] if c["guard_compared"] else None
+    return measured_gain(policy.core.guard_counters())
 
 
 # Each factory gets the policy settings and the workload (only belady looks at the future).

@@ -30,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 from vllm.v1.metrics.utils import create_metric_per_engine
 
-from cachescout.policy import CacheScoutPolicy
+from cachescout.policy import CacheScoutPolicy, measured_gain
 
 from .gpu_steering import GpuSteering
 from .gpu_warmup import LOWEST_PRIORITY, WarmupSender
@@ -67,8 +67,9 @@ class CacheScoutStats(KVConnectorStats):
         steps = d.get("steps", 0)
         if steps:
             d["decision_us_per_step"] = round(1e6 * d.get("decision_s", 0.0) / steps, 2)
-        if d.get("guard_compared"):
-            d["guard_gain"] = round((d.get("guard_hits", 0) - d.get("guard_lru_hits", 0)) / d["guard_compared"], 4)
+        gain = measured_gain(d)
+        if gain is not None:
+            d["guard_gain"] = round(gain, 4)
         if d.get("predictions"):
             d["prediction_accuracy"] = round(d.get("predictions_correct", 0) / d["predictions"], 4)
         if "state_degraded" in d:

@@ -56,6 +56,7 @@ from .core import SHARED_NAME_PREFIX, CacheScoutPolicy, Hints, Observation, Poli
 from .errors import CacheScoutError, ConfigError, ExternalError, InputError, StateDecodeError
 from .eviction import EvictionIndex
 from .fingerprint import AgentFingerprinter, Fingerprint, block_key, block_keys
+from .guard import measured_gain
 from .prefetch import PrefetchAction, PrefetchCandidate, PrefetchPlanner
 from .sessions import SessionTracker, content_chunks, content_sketch, sketch_window
 from .state import TransitionSnapshot
@@ -66,7 +67,7 @@ __all__ = [
     "EvictionIndex", "ExternalError", "Fingerprint", "Hints", "InputError", "Observation", "PolicyConfig",
     "PolicyInternals", "PrefetchAction", "PrefetchCandidate", "PrefetchPlanner", "SessionTracker", "StateDecodeError",
     "TransitionLearner", "TransitionSnapshot", "block_key", "block_keys", "check_fields", "check_mapping",
-    "check_value", "content_chunks", "content_sketch", "describe", "reject_unknown", "setting", "settings_of",
-    "sketch_window",
+    "check_value", "content_chunks", "content_sketch", "describe", "measured_gain", "reject_unknown", "setting",
+    "settings_of", "sketch_window",
     "NATIVE", "NATIVE_STATUS",
 ]

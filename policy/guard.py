@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Final
 
 SAMPLE: Final = 8          # by default one block in 8 is simulated
@@ -125,10 +125,8 @@ class LruGuard:
         self._ours = 0                # hits of the real cache on sampled accesses, this window
         self._lru = 0                 # hits of the shadow LRU, this window
         self._seen = 0                # sampled accesses, this window
-        self.total_ours = 0
-        self.total_lru = 0
-        self.total_seen = 0
-        # For operators (`counters`): every comparison as it is made, windows closed or not.
+        # Every comparison so far, counted as it is made (windows closed or not): the real cache's
+        # hits and the shadow's among the sampled accesses compared.
         self.compared = 0
         self.compared_ours = 0
         self.compared_lru = 0
@@ -286,9 +284,6 @@ class LruGuard:
     def _close_window(self) -> None:
         delta = (self._ours - self._lru) / self._seen
         self.windows = (self.windows + [delta])[-64:]
-        self.total_ours += self._ours
-        self.total_lru += self._lru
-        self.total_seen += self._seen
         self._ours = self._lru = self._seen = self._requests = 0
         if self.trust == 0.0:
             self.lru_windows += 1
@@ -334,7 +329,11 @@ class LruGuard:
 
     def estimated_gain(self) -> float | None:
         """Hit-rate gain over plain LRU measured so far (share of sampled block accesses)."""
-        seen = self.total_seen + self._seen
-        if seen == 0:
-            return None
-        return (self.total_ours + self._ours - self.total_lru - self._lru) / seen
+        return measured_gain(self.counters())
+
+
+def measured_gain(counts: Mapping[str, float]) -> float | None:
+    """(hits - LRU's hits) / compared, of `LruGuard.counters()` or of their differences over an
+    interval (vLLM's summed reports); None where nothing was compared."""
+    compared = counts.get("guard_compared", 0)
+    return (counts.get("guard_hits", 0) - counts.get("guard_lru_hits", 0)) / compared if compared else None
