@@ -5,9 +5,11 @@ For every live session the chain gives, per agent, the probability of being call
 what was observed per agent: how long its calls take and how long a session typically waits after
 one (a tool runs, a user types; averaged in the log, so that a wait of hours does not make every
 wait look long). A session in a call of agent X is expected to call again after the rest of that
-call plus X's typical wait; one idle for much longer than that has likely ended. Where an agent's
-waits are irregular (people), a session's own prediction is blended, by how regular they are, with
-the time it has idled already, as LRU would judge it. So each session
+call plus X's typical wait, an idle one after what remains of that wait; one idle for much longer
+than that has likely ended. Where an agent's waits are irregular (people), both are tempered by how
+regular they are: what remains of the wait is drawn towards the whole wait (one that finished a
+moment ago is about as likely to call soon), and a session's own prediction is blended with the
+time it has idled already, as LRU would judge it. So each session
 gives each agent a use rate, P(use) / expected time to it; an agent's anchor is used at the sum of
 those rates over live sessions plus the sessions expected to arrive, a session's context under an
 agent only at that session's rate. A group's predicted time to next use is 1 / rate, made longer
@@ -40,14 +42,21 @@ _UNLINKED_SHARE: Final = 0.1  # ... and at and below which they are not
 _ALIVE_IDLE_THINKS: Final = 2.0 - math.log(1e-3)
 
 
-def _next_call(s: Session, now: float, think: float, duration: float) -> tuple[float, float]:
-    """`next_call_in` given the session's agent's think time and call duration. A session in a
-    call is expected to call again after the rest of it plus the think time; an idle one once its
-    think time has passed, less likely the longer it waits beyond twice that."""
+def _next_call(s: Session, now: float, think: float, duration: float, regular: float) -> tuple[float, float]:
+    """`next_call_in` given the session's agent's think time, call duration and how regular its
+    waits are (`Timing.reliability`). A session in a call is expected to call again after the rest
+    of it plus the think time; an idle one once its think time has passed, less likely the longer
+    it waits beyond twice that. That an idle session calls sooner the longer it has waited holds
+    for regular waits (a tool that takes ten seconds) only: where they are spread like people's,
+    one that finished a moment ago is about as likely to call soon, so the remaining wait is drawn
+    towards the think time as far as the waits are irregular."""
     if s.in_flight:
         return max(duration - (now - s.last_call_at), 0.1 * duration) + think, 1.0
     idle = now - max(s.last_finish_at, s.last_call_at)
-    return max(think - idle, 0.1 * think), math.exp(-max(0.0, idle - 2.0 * think) / think)
+    wait = max(think - idle, 0.1 * think)
+    if regular < 1.0:
+        wait = think * (wait / think) ** regular
+    return wait, math.exp(-max(0.0, idle - 2.0 * think) / think)
 
 
 def _protect(parent: Group, child: Group, now: float) -> None:
@@ -80,13 +89,14 @@ class _AgentView:
     """`score`'s per-agent inputs in one rescoring: its row, think time, call duration, and the
     uses that matter now (agents whose current anchor has free blocks)."""
 
-    __slots__ = ("row", "think", "duration", "uses")
+    __slots__ = ("row", "think", "duration", "regular", "uses")
 
-    def __init__(self, row: HorizonRow, think: float, duration: float,
+    def __init__(self, row: HorizonRow, think: float, duration: float, regular: float,
                  uses: tuple[tuple[str, float, float], ...]) -> None:
         self.row = row
         self.think = think
         self.duration = duration
+        self.regular = regular
         self.uses = uses
 
 
@@ -169,7 +179,8 @@ class SurvivalScorer:
     def next_call_in(self, s: Session, now: float) -> tuple[float, float]:
         """(seconds until the session's next call is expected, probability it is still going)."""
         traffic = self._traffic
-        return _next_call(s, now, max(traffic.think.get(s.agent), 1e-3), traffic.duration.get(s.agent))
+        return _next_call(s, now, max(traffic.think.get(s.agent), 1e-3), traffic.duration.get(s.agent),
+                          traffic.think.reliability(s.agent))
 
     def confidence(self) -> float:
         """Confidence of the rows the live sessions are predicted from (0 below min_confidence)."""
@@ -370,8 +381,9 @@ class SurvivalScorer:
             row = self._row(agent)
             traffic = self._traffic
             view = per_agent[agent] = _AgentView(row, max(traffic.think.get(agent), 1e-3), traffic.duration.get(agent),
+                                                 traffic.think.reliability(agent),
                                                  tuple(u for u in row.uses if u[0] in wanted))
-        sv.t_next, sv.alive = _next_call(s, now, view.think, view.duration)
+        sv.t_next, sv.alive = _next_call(s, now, view.think, view.duration, view.regular)
         sv.row = view.row
         sv.next_agent = overrides.get(s.sid) if overrides else None
         sv.round = rnd

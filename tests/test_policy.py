@@ -12,6 +12,7 @@ from cachescout.bench.replay import Engine, EngineConfig, chain_hashes
 from cachescout.bench.run import calibrate_gpu_blocks
 from cachescout.bench.workloads import WorkloadSpec, generate
 from cachescout.policy import CacheScoutPolicy, Hints, PolicyConfig, TransitionSnapshot
+from cachescout.policy.sessions import Session
 from cachescout.policy.state import COUNT_SCALE
 from cachescout.policy.transitions import END
 
@@ -335,3 +336,22 @@ def test_a_context_is_as_recent_as_the_blocks_its_session_last_used():
     """Blocks a conversation's later calls left out do not make its context look idle since they
     were freed: the group is scored from its session's last use (its youngest free block)."""
     assert _context_model(old_branch=True) == pytest.approx(_context_model(old_branch=False))
+
+
+@pytest.mark.parametrize("waits, inverted", [([10.0] * 40, True), ([1.0, 100.0] * 20, False)])
+def test_an_idle_session_is_due_sooner_the_longer_it_waited_only_where_waits_are_regular(waits, inverted):
+    """After a call, a session of an agent whose waits are regular (a tool: 10 s every time) is due
+    again in what remains of the wait; where they are spread like people's (1 s or 100 s, the same
+    typical wait of 10 s), one that finished a moment ago is not judged far later than one that
+    has waited most of the typical wait."""
+    inside = CacheScoutPolicy(PolicyConfig()).inspect()
+    for w in waits:
+        inside.traffic.waited("X", w)
+    assert inside.traffic.think.get("X") == pytest.approx(10.0, rel=0.3)
+
+    def due_in(idle: float) -> float:
+        session = Session("s", agent="X", last_call_at=0.0, last_finish_at=1.0)
+        return inside.scorer.next_call_in(session, now=1.0 + idle)[0]
+
+    ratio = due_in(0.5) / due_in(9.0)
+    assert ratio > 5.0 if inverted else ratio < 2.5
