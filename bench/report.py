@@ -16,6 +16,7 @@ from importlib import metadata
 import os
 import io
 import json
+import math
 import platform
 import sys
 import tempfile
@@ -150,6 +151,7 @@ def outro(everything: dict) -> str:
              for by in ({r["policy"]: r["token_hit_rate"] for r in w["results"]}
                         for w in everything["tiers"]["workloads"])
              if "cachescout" in by and "cachescout-noprefetch" in by]
+    agree = math.ceil(max(diffs) * 1000) / 10   # points, rounded up: a bound
     return f"""## Reading the figures
 
 - Most of LRU's misses are session contexts (the supervisor's above all), not anchors: six hot
@@ -166,7 +168,7 @@ def outro(everything: dict) -> str:
   recompute, which narrows every gap. Prefetch {"does not pay" if max(gains) < 0.0005 else "adds"} here:
   against the same policy without it, between {100 * min(gains):+.1f} and {100 * max(gains):+.1f} points
   of hit rate on these workloads.
-- On vLLM's own scheduler the GPU hit rates agree with the fast replay within {max(diffs) * 100:.1f} points for
+- On vLLM's own scheduler the GPU hit rates agree with the fast replay within {agree:.1f} points for
   both policies on every workload (vLLM allocates a request in the step that first shows it to the
   connector, so a few evictions happen before the policy has seen it). The connector's own cost is
   {_span([100 * o for o in overhead], '.1f')}% of a step on this 2-core machine (target: under 2%; CPU

@@ -103,3 +103,15 @@ def test_the_readme_tier_figures_are_the_tier_results(texts):
     assert ours == [runs[f]["rows"]["cachescout"]["hit"] for f in families]
     assert theirs == [runs[f]["rows"]["lmcache-lru"]["hit"] for f in families]
     assert without == [runs[f]["rows"]["cachescout-noprefetch"]["hit"] for f in families]
+
+
+def test_the_quoted_agreement_with_vllms_scheduler_bounds_every_printed_difference(texts):
+    """'agree with the fast replay within N points' must hold for every policy and workload of the
+    GPU-only section it sums up (a bound rounded to the nearest tenth did not: 1.25 was quoted as
+    1.2)."""
+    _, results = texts
+    quoted = float(re.search(r"agree with the fast replay within ([0-9.]+) points", results).group(1))
+    differences = [abs(float(row["difference"].split()[0]))
+                   for run in _runs(_section(results, "On vLLM's own scheduler")).values()
+                   for row in run["rows"].values()]
+    assert len(differences) == 8 and max(differences) <= quoted, (differences, quoted)
