@@ -285,7 +285,6 @@ class SurvivalScorer:
         floor = -math.log(_RATE_FLOOR)
         backed_value = self._cost.backed_value("cpu")
         dead_reuse = traffic.dead_reuse
-        think = traffic.think
         link = self.session_links()
         anchors = []
         preambles = []
@@ -324,7 +323,7 @@ class SurvivalScorer:
                         if rate > 0.0:
                             # Timing as far as the waits are regular: where they are not, the time
                             # a session has idled stands in for when it calls next (as in LRU).
-                            r = think.reliability(ses.agent)
+                            r = per_agent[ses.agent].regular   # this rescoring's view made it
                             if r < 1.0:
                                 rate = math.exp(r * math.log(rate) + (1.0 - r) * (math.log(p) - math.log(idle)))
                         # Never below what the same blocks are worth once the session expired: a
