@@ -15,10 +15,12 @@ Modelled after vLLM v1 (block semantics are exact, timing comes from a cost mode
 - Step time = overhead + prefill tokens x per-token prefill cost + a decode pass (weights read once)
   + KV read for every running request's context + loads from lower tiers (CostProfile, with the
   figures' sources in data/cost_profiles.json).
-- Optional LMCache-style tiers (CPU, Redis): every computed block is written through; past the GPU
-  prefix hit, runs of blocks found in a tier are loaded when that beats recomputing them; between
-  steps a policy may prefetch blocks (CPU -> GPU, Redis -> CPU) as far as the links' bandwidth
-  allows during a step. Vanilla vLLM (`lru`) has no tiers.
+- Optional tiers (CPU, Redis), LRU, as LMCache keeps them: a call's lookup finds the prefix they hold
+  from its first block (CPU, then Redis) and refreshes that CPU run, GPU-held blocks included; past
+  the GPU prefix hit the rest of it is loaded where that beats recomputing; the prompt is stored
+  from where LMCache's hit ended (decode's blocks are not: LMCache's save_decode_cache is off by
+  default). Between steps a policy may prefetch blocks (CPU -> GPU, Redis -> CPU) as far as the
+  links' bandwidth allows during a step. Vanilla vLLM (`lru`) has no tiers.
 Sessions are closed loops: a session's next call is issued a think time after its previous call ends.
 The connector hears that a call finished before its blocks are freed, as in vLLM.
 """
@@ -99,7 +101,7 @@ class CostProfile:
 
 
 class TierStore:
-    """A lower tier (LMCache's CPU memory, or Redis): LRU, written through as blocks are computed."""
+    """A lower tier (LMCache's CPU memory, or Redis): LRU, written through as prompts are computed."""
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
@@ -120,26 +122,51 @@ class TierStore:
             dropped.append(store.popitem(last=False)[0])
         return dropped
 
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        """Refresh held blocks as LMCache's lookup does: last to first, so the first ends newest."""
+        store = self.keys
+        for k in reversed(keys):
+            store.move_to_end(k)
 
-def plan_tier_loads(keys: Sequence[Hashable], start: int, limit: int, where: Callable[[Hashable], str | None],
-                    cost: CostProfile, block_size: int) -> tuple[int, list[tuple[str, int]]]:
-    """Past the GPU hit (`start`), the lower tiers: runs of blocks from one tier, each loaded only
-    when that beats recomputing it; the first run that does not stops the load. Returns the end of
-    what is loaded and the runs as (tier, blocks). Shared by this engine and the modelled tiers on
-    vLLM's scheduler (tier_connector.py), so both load by the same rule."""
+
+def lmcache_lookup(keys: Sequence[Hashable], cpu: TierStore | None, redis: TierStore | None,
+                   touch: bool = True) -> tuple[int, int]:
+    """LMCache's lookup of a prompt's blocks: the longest prefix its tiers hold, the CPU tier's run
+    first and Redis's after it (LMCache matches from the first token, so a block past a missing one
+    is never a hit). Returns where the CPU run ends and where the Redis run after it ends. Like
+    LMCache's lookup (`touch`), it refreshes every block of the CPU run, those vLLM holds in GPU
+    memory too: a context in use keeps its CPU copy."""
+    n = len(keys)
+    cpu_end = 0
+    if cpu is not None:
+        while cpu_end < n and keys[cpu_end] in cpu:
+            cpu_end += 1
+        if touch:
+            cpu.touch(keys[:cpu_end])
+    redis_end = cpu_end
+    if redis is not None:
+        while redis_end < n and keys[redis_end] in redis:
+            redis_end += 1
+    return cpu_end, redis_end
+
+
+def plan_tier_loads(start: int, limit: int, cpu_end: int, redis_end: int, cost: CostProfile,
+                    block_size: int) -> tuple[int, list[tuple[str, int]]]:
+    """Past the GPU hit (`start`, up to `limit`), what LMCache's lookup found (`lmcache_lookup`):
+    the CPU run's blocks, then the Redis run's, each loaded only when that beats recomputing it; a
+    run that does not stops the load. Returns the end of what is loaded and the runs as (tier,
+    blocks). Shared by this engine and the modelled tiers on vLLM's scheduler (tier_connector.py),
+    so both load by the same rule."""
     runs: list[tuple[str, int]] = []
     end = start
-    while end < limit:
-        tier = where(keys[end])
-        if tier not in ("cpu", "redis"):
+    for tier, stop in (("cpu", cpu_end), ("redis", redis_end)):
+        stop = min(stop, limit)
+        if stop <= end:
+            continue
+        if not cost.worth_loading(tier, stop - end, block_size):
             break
-        run = end
-        while run < limit and where(keys[run]) == tier:
-            run += 1
-        if not cost.worth_loading(tier, run - end, block_size):
-            break
-        runs.append((tier, run - end))
-        end = run
+        runs.append((tier, stop - end))
+        end = stop
     return end, runs
 
 
@@ -264,6 +291,7 @@ class Request:
     partial_blocks: int = 0      # blocks held that are not (yet) full
     last_hash: int = 0
     preempted: int = 0
+    looked_up: bool = False      # LMCache has looked it up (it keeps the answer per request)
     running: bool = False
     tag: Any = None              # for the policy's use
     admitted: int = 0            # admission order (the running queue's order)
@@ -568,7 +596,7 @@ class Engine:
         return None
 
     def _store(self, keys: Sequence[Hashable]) -> None:
-        """Write-through, as LMCache stores every computed block into its tiers."""
+        """Write-through into LMCache's tiers."""
         if self.cpu is not None and keys:
             dropped = self.cpu.put(keys)
             self.policy.backed(keys, dropped)
@@ -648,8 +676,14 @@ class Engine:
             hit += 1
         loads: list[tuple[str, int]] = []
         end = hit
-        if self.cpu is not None or self.redis is not None:
-            end, loads = plan_tier_loads(hashes, hit, limit, self.where, self.cfg.cost, bs)
+        cpu_end = redis_end = 0
+        tiers = self.cpu is not None or self.redis is not None
+        if tiers:
+            # LMCache looks a request up once (it keeps the answer while vLLM cannot admit it yet),
+            # touching its CPU run then only.
+            cpu_end, redis_end = lmcache_lookup(hashes, self.cpu, self.redis, touch=not req.looked_up)
+            req.looked_up = True
+            end, loads = plan_tier_loads(hit, limit, cpu_end, redis_end, self.cfg.cost, bs)
         held = hashes[:hit]
         reusing = 0
         for k in held:
@@ -670,10 +704,8 @@ class Engine:
         assert ok, "room was checked above"
         for k in new_keys:
             ref[k] = 1
-        new_keys_set = set(new_keys) if end > hit else ()
         req.partial_blocks = uncached
         req.keys = held + new_keys
-        loaded = end - hit
         if not req.preempted:
             req.gpu_hit_tokens = hit * bs
             req.cpu_hit_tokens = bs * sum(n for t, n in loads if t == "cpu")
@@ -688,10 +720,15 @@ class Engine:
         if loads:
             for tier, n in loads:
                 self._load_s += self.cfg.cost.load_s(tier, n, bs)
-            if self.cpu is not None:   # a read refreshes a CPU block; a Redis hit is copied into CPU
-                read = hashes[hit:end]
+            read = hashes[max(hit, cpu_end):end]
+            if self.cpu is not None and read:   # LMCache copies what it reads from Redis into CPU
                 self.policy.backed(read, self.cpu.put(read))
-        self._store([k for k in hashes[end:] if k in new_keys_set] if loaded else new_keys)
+        if tiers:
+            # LMCache stores the prompt from where its own hit ended, blocks vLLM held included,
+            # skipping those a tier already holds (their place in its LRU order is kept).
+            holder = self.cpu if self.cpu is not None else self.redis
+            assert holder is not None
+            self._store([k for k in hashes[redis_end:] if k not in holder])
         return True
 
     def _grow(self, req: Request) -> bool:
@@ -723,7 +760,8 @@ class Engine:
                 self.ref[key] = 1
             req.keys.append(key)
             self.policy.cached(req, [key], self.now)
-            self._store([key])
+            # Not written to LMCache's tiers: it stores prompts, not what decode fills (its
+            # save_decode_cache is off by default); the next call's prompt carries these blocks.
         return True
 
     @staticmethod

@@ -36,7 +36,8 @@ SCENARIOS: tuple[tuple[str, str, str, dict[str, Any], str], ...] = (
      dict(policies=ALL_POLICIES, plots="docs/results.png"), "--policies " + ",".join(ALL_POLICIES)),
     ("tiers", "With LMCache's CPU and Redis tiers",
      "The same workloads, every policy but `lru` (vanilla vLLM) with a CPU tier of half the GPU cache "
-     "and a Redis tier the size of the GPU cache, write-through, LRU.",
+     "and a Redis tier the size of the GPU cache, LRU, modelled on LMCache's own (each call's prompt stored, "
+     "the stored prefix refreshed by every lookup: see *What is measured*).",
      dict(policies=TIER_POLICIES, cpu_ratio=0.5, redis_ratio=1.0, sweeps=False),
      "--cpu-ratio 0.5 --redis-ratio 1 --no-sweeps --policies " + ",".join(TIER_POLICIES)),
     ("random", "Routing without a pattern",
@@ -63,8 +64,8 @@ SCENARIOS: tuple[tuple[str, str, str, dict[str, Any], str], ...] = (
     ("vllm-tiers", "On vLLM's own scheduler, with LMCache's tiers modelled",
      "As above, with LMCache's CPU tier (half the GPU cache) and Redis tier (the GPU cache's size) modelled "
      "by a benchmark connector beside ours in vLLM's `MultiConnector` (bench/tier_connector.py: it answers "
-     "the scheduler's external-hit lookups from LRU tiers written through as blocks are computed, with the "
-     "fast replay's rules; vLLM then takes those tokens as loaded). `all tiers` is the hit rate over GPU, "
+     "the scheduler's external-hit lookups from LRU tiers modelled on LMCache's, with the fast replay's "
+     "rules; vLLM then takes those tokens as loaded). `all tiers` is the hit rate over GPU, "
      "CPU and Redis. CacheScout's fast-replay counterpart is `cachescout-noprefetch`: inside vLLM CacheScout "
      "prefetches into LMCache's CPU tier, not into the GPU. Two workloads run at once here.",
      dict(engine="vllm", policies=("lmcache-lru", "cachescout"), cpu_ratio=0.5, redis_ratio=1.0, sweeps=False,
@@ -85,9 +86,13 @@ calls, cache sizes and run.
 - **Replay** (`bench/replay.py`): vLLM's GPU prefix cache with its block semantics (16-token blocks,
   chained hashes, reference counts, LRU free queue with tail-first release, last prompt token always
   recomputed), continuous batching with chunked prefill (64 sequences, 8,192 tokens per step) and
-  recompute preemption, on a virtual clock; optional LMCache CPU and Redis tiers (write-through, LRU;
-  a tier is read only when loading beats recomputing; prefetch moves blocks between steps, limited
-  by the links' bandwidth). Step time and tier speeds: Llama-3.1-8B on one H200
+  recompute preemption, on a virtual clock; optional LMCache CPU and Redis tiers, LRU, as LMCache
+  0.5.6 keeps them (checked against its engine in tests/test_lmcache_tier.py): a call's lookup finds
+  the prefix the tiers hold from its first block (the CPU run, then Redis's) and refreshes that CPU
+  run, blocks vLLM holds included; each prompt is stored from where that hit ended, and what decode
+  fills is not (LMCache's `save_decode_cache` is off by default); a tier is read only when loading
+  beats recomputing; prefetch moves blocks between steps, limited by the links' bandwidth. Step
+  time and tier speeds: Llama-3.1-8B on one H200
   (`bench/data/cost_profiles.json`, with sources; an H100 profile too).
 - **Cache size**: per workload, the smallest GPU cache (within 2%) at which vanilla vLLM's LRU hits
   68% of prompt tokens.

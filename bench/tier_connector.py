@@ -2,9 +2,11 @@
 
 Benchmark only: it answers vLLM's scheduler the way LMCache's connector would (how many tokens past
 the GPU prefix hit a lower tier can supply) from two modelled tiers, with the fast replay's rules
-(bench/replay.py): LRU tiers written through as blocks are computed, a run of blocks loaded only when
-loading it beats recomputing it (the cost model), a CPU read refreshes the block and a Redis hit is
-copied into the CPU tier. No KV moves; the replay adds the load time to the step and counts the hits.
+(bench/replay.py): LRU tiers, LMCache's lookup (the prefix its tiers hold from the first block, the
+CPU run touched), a run of blocks loaded only when loading it beats recomputing it (the cost model),
+a Redis hit copied into the CPU tier, each prompt stored from where LMCache's hit ended (outputs are
+not: LMCache's save_decode_cache is off by default). No KV moves; the replay adds the load time to
+the step and counts the hits.
 It runs beside CacheScoutConnector in vLLM's MultiConnector, as LMCache's connector does in a
 deployment, or alone (vLLM with LMCache's LRU tiers, `lmcache-lru`).
 
@@ -24,7 +26,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cachescout.policy import ConfigError
 
-from .replay import CostProfile, TierStore, plan_tier_loads
+from .replay import CostProfile, TierStore, lmcache_lookup, plan_tier_loads
 
 
 class _NoMetadata(KVConnectorMetadata):
@@ -44,17 +46,11 @@ class ModelledTiersConnector(KVConnectorBase_V1):
         cpu, redis = int(extra.get("cpu_blocks", 0)), int(extra.get("redis_blocks", 0))
         self.cpu = TierStore("cpu", cpu) if cpu > 0 else None
         self.redis = TierStore("redis", redis) if redis > 0 else None
-        self._planned: dict[str, tuple[int, list[tuple[str, int]]]] = {}   # request -> (first block, runs)
-        self._stored: dict[str, int] = {}           # request -> blocks written through so far
+        # request -> (first block, LMCache's CPU and Redis runs' ends, runs to load)
+        self._planned: dict[str, tuple[int, int, int, list[tuple[str, int]]]] = {}
+        self._looked_up: set[str] = set()           # requests LMCache has looked up (it keeps the answer)
         self.hits: dict[str, dict[str, int]] = {}   # request -> tier -> tokens loaded (its first admission)
         self.step_load_s = 0.0                      # load time of the step being scheduled
-
-    def _where(self, key: Any) -> str | None:
-        if self.cpu is not None and key in self.cpu:
-            return "cpu"
-        if self.redis is not None and key in self.redis:
-            return "redis"
-        return None
 
     # -- scheduler side -----------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -63,14 +59,18 @@ class ModelledTiersConnector(KVConnectorBase_V1):
         # vLLM always computes the prompt's last token: a fully cached prompt still misses its last block.
         limit = min(len(hashes), (request.num_tokens - 1) // bs)
         start = num_computed_tokens // bs
-        end, runs = plan_tier_loads(hashes, start, limit, self._where, self.cost, bs)
-        self._planned[request.request_id] = (start, runs)
+        rid = request.request_id
+        prompt = hashes[:request.num_prompt_tokens // bs]
+        cpu_end, redis_end = lmcache_lookup(prompt, self.cpu, self.redis, touch=rid not in self._looked_up)
+        self._looked_up.add(rid)
+        end, runs = plan_tier_loads(start, limit, cpu_end, redis_end, self.cost, bs)
+        self._planned[rid] = (start, cpu_end, redis_end, runs)
         return (end - start) * bs, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
-        start, runs = self._planned.pop(rid, (0, []))
-        hashes = request.block_hashes
+        start, cpu_end, redis_end, runs = self._planned.pop(rid, (0, 0, 0, []))
+        hashes = request.block_hashes[:request.num_prompt_tokens // self.block_size]
         loaded = num_external_tokens // self.block_size
         if loaded:
             bs = self.block_size
@@ -80,28 +80,24 @@ class ModelledTiersConnector(KVConnectorBase_V1):
                 tiers = self.hits[rid] = {}
                 for tier, n in runs:
                     tiers[tier] = tiers.get(tier, 0) + n * bs
-            if self.cpu is not None:   # a read refreshes a CPU block; a Redis hit is copied into CPU
-                self.cpu.put(hashes[start:start + loaded])
-        self._write_through(rid, hashes, start + loaded)
-
-    def _write_through(self, rid: str, hashes: Any, computed_from: int) -> None:
-        """Store the blocks this request computes (from `computed_from` on), once each."""
-        first = max(self._stored.get(rid, 0), computed_from)
-        keys = hashes[first:]
-        if keys:
-            if self.cpu is not None:
-                self.cpu.put(keys)
-            if self.redis is not None:
-                self.redis.put(keys)
-        self._stored[rid] = max(first, len(hashes))
+            read = hashes[max(start, cpu_end):start + loaded]
+            if self.cpu is not None and read:   # LMCache copies what it reads from Redis into CPU
+                self.cpu.put(read)
+        # LMCache stores the prompt from where its own hit ended, skipping blocks a tier holds.
+        tier = self.cpu if self.cpu is not None else self.redis
+        if tier is not None:
+            keys = [k for k in hashes[redis_end:] if k not in tier]
+            if keys:
+                if self.cpu is not None:
+                    self.cpu.put(keys)
+                if self.redis is not None:
+                    self.redis.put(keys)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return _NoMetadata()
 
     def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # The blocks its output filled are computed too (the fast replay stores them as they fill).
-        self._write_through(request.request_id, request.block_hashes, 0)
-        self._stored.pop(request.request_id, None)
+        self._looked_up.discard(request.request_id)
         self._planned.pop(request.request_id, None)
         return False, None
 

@@ -427,3 +427,31 @@ def test_kv_tier_as_the_helm_chart_sets_it_up(tmp_path, agents, tls):
         assert int(mask.sum()) == len(coder.tokens) and torch.equal(out, coder.kv)
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("looked_up", [False, True])
+def test_the_replays_cpu_tier_keeps_what_lmcaches_keeps(agents, looked_up):
+    """The benchmark's model of LMCache's CPU tier (bench/replay.py: LRU; a lookup touches the
+    prompt's whole stored prefix, blocks vLLM holds on its GPU too; a store skips what the tier holds,
+    leaving its place) against LMCache's own engine, chunk for chunk: coder's chunks are the oldest;
+    storing coder again does not save them, a lookup of coder's prompt (as vLLM's scheduler makes
+    for every request) does."""
+    from cachescout.bench.replay import TierStore, lmcache_lookup
+
+    coder, critic, searcher = agents
+    engine = build_engine(None, "lru")
+    model = TierStore("cpu", CPU_CHUNKS)
+    for a in (coder, critic, coder):
+        engine.store(a.tokens, kvcaches=a.kv, request_configs=a.configs)
+        model.put([k for k in a.keys(engine) if k not in model])
+    if looked_up:
+        hit = engine.lookup(coder.tokens, lookup_id="r1", pin=True, request_configs=coder.configs)
+        engine.lookup_unpin("r1")
+        assert hit == len(coder.tokens)
+        assert lmcache_lookup(coder.keys(engine), model, None) == (20, 20)
+    engine.store(searcher.tokens, kvcaches=searcher.kv, request_configs=searcher.configs)
+    model.put(searcher.keys(engine))
+    kept = {a.name: in_cpu(engine, a) for a in agents}
+    assert kept == ({"coder": 20, "critic": 0, "searcher": 60} if looked_up else
+                    {"coder": 0, "critic": 20, "searcher": 60})
+    assert {a.name: sum(k in model for k in a.keys(engine)) for a in agents} == kept

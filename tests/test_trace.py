@@ -6,7 +6,8 @@ from pathlib import Path
 import pytest
 
 from cachescout.bench.policies import REGISTRY, make_policy
-from cachescout.bench.replay import CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys
+from cachescout.bench.replay import (CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys, TierStore,
+                                     lmcache_lookup, plan_tier_loads)
 from cachescout.bench.run import NEED_AGENTS, BenchOptions, run_sessions
 from cachescout.bench.trace import TraceError, TraceOptions, export_trace, load_trace, parse_trace, read_trace
 from cachescout.bench.workloads import WorkloadSpec, generate
@@ -44,7 +45,7 @@ GOLDEN_FIGURES = {
            "belady": 0.8235, "kvflow": 0.7646, "continuum": 0.721},
 }
 # ... and with LMCache's CPU and Redis tiers (half and one GPU cache), over all tiers.
-GOLDEN_TIERED = {"lru": 0.5878, "lmcache-lru": 0.6474, "kvflow": 0.6642, "cachescout": 0.6778}
+GOLDEN_TIERED = {"lru": 0.5878, "lmcache-lru": 0.6414, "kvflow": 0.6498, "cachescout": 0.6682}
 
 
 @pytest.mark.parametrize("blocks", sorted(GOLDEN_FIGURES))
@@ -77,6 +78,37 @@ def test_replays_sharing_prompt_keys_are_the_replays_alone():
         assert shared == alone, name
     with pytest.raises(ValueError, match="block_size 16"):
         Engine(EngineConfig(gpu_blocks=700, block_size=32), make_policy("lru", PolicyConfig()), keys)
+
+
+def test_lower_tiers_hit_only_the_prefix_lmcache_holds_from_the_first_block():
+    # LMCache matches a prompt from its first token, its CPU tier first and Redis after it: CPU
+    # blocks past one it lost are no hit, and a lookup refreshes the CPU run (first block newest).
+    cpu, redis = TierStore("cpu", 10), TierStore("redis", 10)
+    cpu.put(["b", "c"])
+    assert lmcache_lookup(["a", "b", "c", "d"], cpu, redis) == (0, 0)
+    cpu.put(["a", "x"])
+    redis.put(["d"])
+    assert lmcache_lookup(["a", "b", "c", "d", "e"], cpu, redis) == (3, 4)
+    assert list(cpu.keys) == ["x", "c", "b", "a"]
+    cost = CostProfile()
+    # vLLM holds the first block: the rest of the CPU run, then the Redis run, are loaded.
+    assert plan_tier_loads(1, 5, 3, 4, cost, 512) == (4, [("cpu", 2), ("redis", 1)])
+    # vLLM holds more than the CPU run: only Redis's blocks past vLLM's are loaded.
+    assert plan_tier_loads(3, 5, 2, 4, cost, 512) == (4, [("redis", 1)])
+    assert plan_tier_loads(4, 5, 2, 4, cost, 512) == (4, [])
+
+
+def test_lmcache_stores_prompts_and_not_what_decode_fills():
+    # Two calls of one conversation, the second extending the first's prompt and output. LMCache
+    # (save_decode_cache off, its default) holds the prompts' blocks only.
+    lines = ['{"timestamp": 0, "input_length": 64, "output_length": 40, "hash_ids": [1, 2, 3, 4], "session_id": "s"}',
+             '{"timestamp": 1000, "input_length": 160, "output_length": 8, "hash_ids": [1, 2, 3, 4, 5, 6, 7, 8, 9, 10],'
+             ' "session_id": "s"}']
+    sessions, _ = parse_trace(lines, block_size=16)
+    engine = Engine(EngineConfig(gpu_blocks=100, cpu_blocks=100), make_policy("lmcache-lru", PolicyConfig(), sessions))
+    result = engine.run(sessions)
+    assert engine.cpu is not None and len(engine.cpu.keys) == 10
+    assert engine.cpu.keys.keys() == {k for r in result.requests for k in r.hashes}
 
 
 @pytest.mark.parametrize("name", ["kvflow", "cachescout"])
