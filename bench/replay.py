@@ -38,6 +38,7 @@ from importlib import resources
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Final, cast
 
+from cachescout.connector.lmcache_model import TierStore, lmcache_lookup
 from cachescout.policy import InputError
 
 from .workloads import Session
@@ -98,56 +99,6 @@ class CostProfile:
     def worth_loading(self, tier: str, blocks: int, block_size: int) -> bool:
         """A tier is read only when loading beats recomputing."""
         return self.load_s(tier, blocks, block_size) < blocks * block_size * self.prefill_s_per_token
-
-
-class TierStore:
-    """A lower tier (LMCache's CPU memory, or Redis): LRU, written through as prompts are computed."""
-
-    def __init__(self, name: str, capacity: int) -> None:
-        self.name = name
-        self.capacity = capacity
-        self.keys: OrderedDict[Hashable, None] = OrderedDict()   # vLLM's keys are bytes, the replay's ints
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self.keys
-
-    def put(self, keys: Sequence[Hashable]) -> list[Hashable]:
-        """Store (or refresh) blocks; returns the blocks evicted to make room."""
-        store = self.keys
-        for k in keys:
-            store[k] = None
-            store.move_to_end(k)
-        dropped: list[Hashable] = []
-        while len(store) > self.capacity:
-            dropped.append(store.popitem(last=False)[0])
-        return dropped
-
-    def touch(self, keys: Sequence[Hashable]) -> None:
-        """Refresh held blocks as LMCache's lookup does: last to first, so the first ends newest."""
-        store = self.keys
-        for k in reversed(keys):
-            store.move_to_end(k)
-
-
-def lmcache_lookup(keys: Sequence[Hashable], cpu: TierStore | None, redis: TierStore | None,
-                   touch: bool = True) -> tuple[int, int]:
-    """LMCache's lookup of a prompt's blocks: the longest prefix its tiers hold, the CPU tier's run
-    first and Redis's after it (LMCache matches from the first token, so a block past a missing one
-    is never a hit). Returns where the CPU run ends and where the Redis run after it ends. Like
-    LMCache's lookup (`touch`), it refreshes every block of the CPU run, those vLLM holds in GPU
-    memory too: a context in use keeps its CPU copy."""
-    n = len(keys)
-    cpu_end = 0
-    if cpu is not None:
-        while cpu_end < n and keys[cpu_end] in cpu:
-            cpu_end += 1
-        if touch:
-            cpu.touch(keys[:cpu_end])
-    redis_end = cpu_end
-    if redis is not None:
-        while redis_end < n and keys[redis_end] in redis:
-            redis_end += 1
-    return cpu_end, redis_end
 
 
 def plan_tier_loads(start: int, limit: int, cpu_end: int, redis_end: int, cost: CostProfile,
@@ -717,6 +668,8 @@ class Engine:
         if self.log is not None:
             self.log.append((EV_ADMIT, id(req), hashes, limit, not req.preempted, 1 if req.prompt_len % bs else 0))
         self.policy.admitted(req, req.keys, hit, self.now)
+        if cpu_end > hit:   # blocks it just filed that the CPU tier holds
+            self.policy.backed(hashes[hit:cpu_end], ())
         if loads:
             for tier, n in loads:
                 self._load_s += self.cfg.cost.load_s(tier, n, bs)

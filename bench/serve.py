@@ -226,6 +226,7 @@ def server_settings(config: str, options: ServeOptions, redis_url: str | None, w
     # One number for all of them (the user's, else vLLM's own without a connector).
     env: dict[str, str] = {"VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")}
     lmcache = config in LMCACHE_CONFIGS
+    cpu_gib = 0.0
     if lmcache:
         cpu_gib = max(options.cpu_ratio * options.gpu_blocks * BLOCK_SIZE * kv_bytes_per_token(options) / 2**30,
                       1e-3)
@@ -244,9 +245,9 @@ def server_settings(config: str, options: ServeOptions, redis_url: str | None, w
     elif config == "cachescout-observe":
         kvt = connector_entry({**(connector_extra or {}), "steer_gpu": False})
     elif config == "cachescout-lmcache":
-        kvt = kv_transfer_config(dict(connector_extra or {}), lmcache=True)
+        kvt = kv_transfer_config(dict(connector_extra or {}), lmcache=True, cpu_gib=cpu_gib)
     elif config == "cachescout-lmcache-warmup":
-        kvt = kv_transfer_config({**(connector_extra or {}), "gpu_warmup_url": url}, lmcache=True)
+        kvt = kv_transfer_config({**(connector_extra or {}), "gpu_warmup_url": url}, lmcache=True, cpu_gib=cpu_gib)
     else:
         kvt = None
     if kvt is not None:

@@ -84,9 +84,9 @@ class ModelledTiersConnector(KVConnectorBase_V1):
             if self.cpu is not None and read:   # LMCache copies what it reads from Redis into CPU
                 self.cpu.put(read)
         # LMCache stores the prompt from where its own hit ended, skipping blocks a tier holds.
-        tier = self.cpu if self.cpu is not None else self.redis
-        if tier is not None:
-            keys = [k for k in hashes[redis_end:] if k not in tier]
+        holder = self.cpu if self.cpu is not None else self.redis
+        if holder is not None:
+            keys = [k for k in hashes[redis_end:] if k not in holder]
             if keys:
                 if self.cpu is not None:
                     self.cpu.put(keys)

@@ -143,7 +143,7 @@ def _config(args: argparse.Namespace) -> int:
             raise InputError("give gpu_warmup_url either in --settings or with --gpu-warmup, not both")
         extra["gpu_warmup_url"] = f"http://127.0.0.1:{args.port}"
         serve_args += " --scheduling-policy priority"
-    kvt = kv_transfer_config(extra, lmcache=tiers)
+    kvt = kv_transfer_config(extra, lmcache=tiers, cpu_gib=args.cpu_gib)
     yaml = lmcache_yaml(cpu_gib=args.cpu_gib, redis_url=args.redis_url, chunk_size=args.chunk_size) if tiers else None
     env = f"LMCACHE_CONFIG_FILE={shlex.quote(args.lmcache_file)} PYTHONHASHSEED=0 " if tiers else ""
     if args.state_url:

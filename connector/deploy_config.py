@@ -30,7 +30,10 @@ def connector_entry(extra: Mapping[str, Any]) -> dict:
             "kv_role": "kv_both", "kv_connector_extra_config": dict(extra)}
 
 
-def kv_transfer_config(extra: Mapping[str, Any], *, lmcache: bool) -> dict:
+def kv_transfer_config(extra: Mapping[str, Any], *, lmcache: bool, cpu_gib: float = 0.0) -> dict:
+    """`cpu_gib`: LMCache's CPU tier, also told to CacheScout (`lmcache_cpu_gib`) unless `extra` sets it."""
+    if lmcache and cpu_gib > 0 and "lmcache_cpu_gib" not in extra:
+        extra = {**extra, "lmcache_cpu_gib": cpu_gib}
     entry = connector_entry(extra)
     if not lmcache:
         return entry

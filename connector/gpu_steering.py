@@ -43,6 +43,7 @@ from typing import Any, Final
 from cachescout.policy import CacheScoutPolicy, Hints, block_keys
 
 from .gpu_warmup import WARMUP_KEY
+from .lmcache_model import CpuTierModel
 
 _MAX_STALE_ROUNDS: Final = 4   # victim lists re-asked after dropping evicted blocks from the mirror
 _ARRIVAL_DECAY: Final = 0.9    # per step, of the peak of blocks taken by requests arriving between steps
@@ -106,6 +107,7 @@ class GpuSteering:
         self._warmups: dict[str, str] = {}                   # request id -> agent, of warm-ups not yet allocated
         self._anchor_of: dict[str, tuple[int, bool]] = {}    # request id -> (anchor blocks, warmed), until allocated
         self._decode_only = False   # at the last step: nothing waited, no prompt left to compute
+        self.cpu_tier: CpuTierModel | None = None   # LMCache's CPU tier beside us, as far as we can follow it
 
     # -- binding ----------------------------------------------------------------------------------
     def bind(self, pool: Any, req_blocks: Callable[[str], Sequence[Any]]) -> None:
@@ -280,6 +282,8 @@ class GpuSteering:
         keys = t.keys
         num_cached = t.local_hit_tokens // policy.cfg.block_size
         t.prompt_blocks = len(keys)
+        if self.cpu_tier is not None:   # LMCache looks the prompt up and stores it (warm-ups too)
+            self.cpu_tier.admitted(keys)
         if t.warmup is not None:
             # Its blocks are filed where vLLM put them; the policy hears of them when it ends.
             self.stats["warmup_tokens"] += request.num_prompt_tokens

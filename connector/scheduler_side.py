@@ -19,6 +19,7 @@ from cachescout.policy import CacheScoutPolicy
 
 from .gpu_steering import GpuSteering
 from .gpu_warmup import WarmupSender
+from .lmcache_model import CpuTierModel
 from .reporting import CacheScoutMetadata, CounterReport
 from .settings import ConnectorSettings
 from .shared_state import SharedLearnedState
@@ -35,16 +36,22 @@ _WARMUP_CHECK_S = 0.2      # GPU warm-ups are considered at most this often
 
 
 class SchedulerSide:
-    def __init__(self, settings: ConnectorSettings, *, budget_tokens: int, max_seqs: int,
+    def __init__(self, settings: ConnectorSettings, *, budget_tokens: int, max_seqs: int, block_bytes: int = 0,
                  shared: Callable[[], SharedLearnedState] | None = None,
                  warmup: Callable[[], WarmupSender] | None = None) -> None:
         """`shared` builds the shared state (None: this replica learns alone); `warmup` the sender
-        of GPU warm-ups (None: none are sent)."""
+        of GPU warm-ups (None: none are sent); `block_bytes`: one GPU block's KV over every layer
+        (to size LMCache's CPU tier in blocks; 0: from the policy's `kv_bytes_per_token`)."""
         self.settings = settings
         self.policy = CacheScoutPolicy(settings.policy)
         self.steering = GpuSteering(self.policy, ahead_blocks=settings.steer_ahead_blocks,
                                     ahead_factor=settings.steer_ahead_factor, budget_tokens=budget_tokens,
                                     max_seqs=max_seqs, steer=settings.steer_gpu)
+        if settings.lmcache_cpu_gib > 0:
+            # LMCache's CPU tier, followed from the prompts it sees (lmcache_model.py), in GPU blocks.
+            block_bytes = block_bytes or settings.policy.block_size * settings.policy.kv_bytes_per_token
+            self.steering.cpu_tier = CpuTierModel(round(settings.lmcache_cpu_gib * 2**30 / block_bytes),
+                                                  self.policy.block_backed)
         self.failed = False
         self.decision_s = 0.0      # this thread's CPU seconds in CacheScout's work
         self.steps = 0

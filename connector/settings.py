@@ -33,6 +33,10 @@ class ConnectorSettings:
         None, "this server's address (http://127.0.0.1:8000): prefetch predicted anchors into the GPU cache "
               "with warm-up requests to it; off without it")
     gpu_warmup_timeout_s: float = setting(30.0, "a warm-up request's HTTP timeout", lo=0.1, hi=3600)
+    lmcache_cpu_gib: float = setting(
+        0.0, "LMCache's CPU tier beside this connector (its max_local_cpu_size, GiB): CacheScout follows what "
+             "it holds and lets GPU blocks with a CPU copy go first (losing one costs a load, not a recompute); "
+             "0: none", lo=0, hi=1e6)
     shared_state: SharedStateSettings | None = None   # learn with the other replicas through Redis
 
     def __post_init__(self) -> None:

@@ -181,6 +181,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
             shared, warmup_url = settings.shared_state, settings.gpu_warmup_url
             self.scheduler_side = SchedulerSide(
                 settings, budget_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
+                block_bytes=_block_bytes(kv_cache_config, settings),
                 max_seqs=vllm_config.scheduler_config.max_num_seqs,
                 shared=None if shared is None else lambda: SharedLearnedState(
                     shared, half_life=settings.policy.transition_half_life,
@@ -296,6 +297,17 @@ def _served_name(vllm_config: VllmConfig) -> str:
     if isinstance(served, (list, tuple)):      # `--served-model-name a b`: the first is the model's name
         served = served[0] if served else None
     return served if isinstance(served, str) and served else str(mc.model)
+
+
+def _block_bytes(kv_cache_config: KVCacheConfig | None, settings: ConnectorSettings) -> int:
+    """Bytes of one GPU block over every layer: from vLLM's KV cache tensors, else from the policy's
+    `kv_bytes_per_token` (a scheduler without tensors, as the benchmark's)."""
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or ()
+    blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+    total = sum(int(t.size) for t in tensors)
+    if total > 0 and blocks > 0:
+        return max(total // blocks, 1)
+    return settings.policy.block_size * settings.policy.kv_bytes_per_token
 
 
 def _model_name(vllm_config: VllmConfig) -> str:

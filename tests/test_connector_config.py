@@ -29,6 +29,8 @@ def test_tiers_yaml_loads_with_lmcache(tmp_path, capsys):
     kvt = _readable_json(out)
     names = [c["kv_connector"] for c in kvt["kv_connector_extra_config"]["connectors"]]
     assert kvt["kv_connector"] == "MultiConnector" and names == ["CacheScoutConnector", "LMCacheConnectorV1"]
+    # CacheScout is told the CPU tier's size, to follow what it holds.
+    assert kvt["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"] == {"lmcache_cpu_gib": 4.0}
     yaml_text = out[out.index("chunk_size:"):]
     (tmp_path / "lm.yaml").write_text(yaml_text)
     from lmcache.v1.config import LMCacheEngineConfig

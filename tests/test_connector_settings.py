@@ -29,6 +29,8 @@ def test_values_are_read():
     ({"steer_ahead_factor": float("nan")}, "steer_ahead_factor"),
     ({"store_wait_ms": -1}, "store_wait_ms"),                  # negative wait
     ({"store_wait_ms": "50"}, "store_wait_ms"),
+    ({"lmcache_cpu_gib": -1}, "lmcache_cpu_gib"),
+    ({"lmcache_cpu_gib": "20GiB"}, "lmcache_cpu_gib"),
     ({"policy": {"no_such_setting": 1}}, "no_such_setting"),   # unknown policy setting
     ({"policy": {"block_size": 64}}, "block_size"),            # disagrees with vLLM's
     ({"policy": []}, "policy"),

@@ -380,8 +380,13 @@ def test_lower_tiers_modelled_beside_the_connector_agree_with_the_fast_replay(sh
         fast = Engine(cfg, make_policy(fast_policy, PolicyConfig(), sessions)).run(sessions).summary()
         replay = VllmReplay(cfg, policy)
         assert (replay.connector is not None) == (policy == "cachescout") and replay.tiers is not None
+        if replay.connector is not None:   # it follows LMCache's CPU tier at the tier's size
+            cpu_tier = replay.connector.steering.cpu_tier
+            assert cpu_tier is not None and cpu_tier.tier.capacity == cfg.cpu_blocks
         got = replay.run(sessions).summary()
         assert got["cpu_token_hit_rate"] + got["redis_token_hit_rate"] > 0.01, got
+        if replay.connector is not None:
+            assert len(cpu_tier.tier.keys) == cfg.cpu_blocks   # full: the run stored more than it holds
         assert got["token_hit_rate"] > got["gpu_token_hit_rate"]
         assert abs(got["token_hit_rate"] - fast["token_hit_rate"]) <= 0.02, (policy, got, fast)
         assert replay.pool_all_free()

@@ -263,6 +263,11 @@ def test_vllm_gets_one_kv_transfer_config_naming_cachescout(rendered, tmp_path):
     assert ours["kv_connector"] == "CacheScoutConnector" and ours["kv_connector_module_path"] == "cachescout.connector"
     assert lmcache["kv_connector"] == "LMCacheConnectorV1"
     extra = ours["kv_connector_extra_config"]
+    # CacheScout follows LMCache's CPU tier at the size LMCache is given (the chart's configmap).
+    cpu_gib = next(float(line.split(":")[1]) for o in objs if o["kind"] == "ConfigMap"
+                   for text in o.get("data", {}).values() for line in text.splitlines()
+                   if line.strip().startswith("max_local_cpu_size:"))
+    assert extra["lmcache_cpu_gib"] == cpu_gib > 0
     shared = extra["shared_state"]
     assert shared["password_file"] == "/secrets/state-password" and "password" not in json.dumps(shared["username"])
     # CacheScout accepts these settings as it will at start-up (files that exist in the pod made here).

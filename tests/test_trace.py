@@ -45,7 +45,7 @@ GOLDEN_FIGURES = {
            "belady": 0.8235, "kvflow": 0.7646, "continuum": 0.721},
 }
 # ... and with LMCache's CPU and Redis tiers (half and one GPU cache), over all tiers.
-GOLDEN_TIERED = {"lru": 0.5878, "lmcache-lru": 0.6414, "kvflow": 0.6498, "cachescout": 0.6682}
+GOLDEN_TIERED = {"lru": 0.5878, "lmcache-lru": 0.6414, "kvflow": 0.6498, "cachescout": 0.6702}
 
 
 @pytest.mark.parametrize("blocks", sorted(GOLDEN_FIGURES))
@@ -96,6 +96,21 @@ def test_lower_tiers_hit_only_the_prefix_lmcache_holds_from_the_first_block():
     # vLLM holds more than the CPU run: only Redis's blocks past vLLM's are loaded.
     assert plan_tier_loads(3, 5, 2, 4, cost, 512) == (4, [("redis", 1)])
     assert plan_tier_loads(4, 5, 2, 4, cost, 512) == (4, [])
+
+
+def test_the_schedulers_model_of_lmcaches_cpu_tier_tells_which_blocks_have_a_copy():
+    from cachescout.connector.lmcache_model import CpuTierModel
+
+    told: list[tuple[str, bool]] = []
+    tier = CpuTierModel(4, lambda key, held: told.append((key, held)))
+    tier.admitted(["a", "b"])
+    tier.admitted(["c", "d"])
+    assert told == [("a", True), ("b", True), ("c", True), ("d", True)]
+    told.clear()
+    # A call extending a's prompt: LMCache's lookup refreshes a and b, so c and d make room.
+    tier.admitted(["a", "b", "e", "f"])
+    assert told == [("a", True), ("b", True), ("e", True), ("f", True), ("c", False), ("d", False)]
+    assert list(tier.tier.keys) == ["b", "a", "e", "f"]   # oldest first: the lookup left a newest of its run
 
 
 def test_lmcache_stores_prompts_and_not_what_decode_fills():

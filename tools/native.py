@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parent.parent
 COMPILED = {
     "policy": ["core", "eviction", "scorer", "sessions", "fingerprint", "transitions", "traffic", "guard", "costs",
                "prefetch"],
-    "connector": ["gpu_steering"],
+    "connector": ["gpu_steering", "lmcache_model"],
     "bench": ["replay", "belady", "bound", "baselines"],
 }
 GROUP = "cachescout.policy._native"   # one shared library, in policy/_native

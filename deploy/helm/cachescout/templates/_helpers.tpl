@@ -142,6 +142,9 @@ capabilities:
 {{- $_ := set $extra "gpu_warmup_url" (printf "http://127.0.0.1:%v" .Values.vllm.port) -}}
 {{- end -}}
 {{- $ours := dict "kv_connector" "CacheScoutConnector" "kv_connector_module_path" "cachescout.connector" "kv_role" "kv_both" "kv_connector_extra_config" $extra -}}
+{{- if and .Values.lmcache.enabled (not (hasKey $extra "lmcache_cpu_gib")) -}}
+{{- $_ := set $extra "lmcache_cpu_gib" .Values.lmcache.cpuGiB -}}
+{{- end -}}
 {{- if .Values.lmcache.enabled -}}
 {{- $lm := dict "kv_connector" "LMCacheConnectorV1" "kv_role" "kv_both" -}}
 {{- toJson (dict "kv_connector" "MultiConnector" "kv_role" "kv_both" "kv_connector_extra_config" (dict "connectors" (list $ours $lm))) -}}

@@ -1,0 +1,98 @@
+"""What LMCache's tiers hold, as LMCache 0.5.6 fills them, block by block (no KV, no LMCache import).
+
+- A tier is LRU (`TierStore`).
+- A call's lookup (vLLM's scheduler asks LMCache once per request) matches the prefix the tiers hold
+  from the prompt's first block, the CPU tier's run first and Redis's after it: a block past a
+  missing one is never a hit. It refreshes every block of the CPU run, those vLLM holds on the GPU
+  too, first block newest (`lmcache_lookup`).
+- The prompt is stored from where that hit ended; a block a tier already holds keeps its place.
+  What decode fills is not stored (LMCache's `save_decode_cache` is off by default): the next call's
+  prompt carries it.
+
+The benchmark's tiers follow these rules (bench/replay.py, bench/tier_connector.py), and in vLLM the
+scheduler side keeps a `CpuTierModel` of LMCache's CPU tier, so that the policy core knows which
+cached GPU blocks have a CPU copy (cheaper to lose: a load instead of a recompute). Each rule is
+checked against LMCache's own engine in tests/test_lmcache_tier.py.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+
+
+class TierStore:
+    """A lower tier (LMCache's CPU memory, or Redis): LRU over block keys."""
+
+    def __init__(self, name: str, capacity: int) -> None:
+        self.name = name
+        self.capacity = capacity
+        self.keys: OrderedDict[Hashable, None] = OrderedDict()   # vLLM's keys are bytes, the replay's ints
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.keys
+
+    def put(self, keys: Sequence[Hashable]) -> list[Hashable]:
+        """Store (or refresh) blocks; returns the blocks evicted to make room."""
+        store = self.keys
+        for k in keys:
+            store[k] = None
+            store.move_to_end(k)
+        dropped: list[Hashable] = []
+        while len(store) > self.capacity:
+            dropped.append(store.popitem(last=False)[0])
+        return dropped
+
+    def touch(self, keys: Sequence[Hashable]) -> None:
+        """Refresh held blocks as LMCache's lookup does: last to first, so the first ends newest."""
+        store = self.keys
+        for k in reversed(keys):
+            store.move_to_end(k)
+
+
+def lmcache_lookup(keys: Sequence[Hashable], cpu: TierStore | None, redis: TierStore | None,
+                   touch: bool = True) -> tuple[int, int]:
+    """LMCache's lookup of a prompt's blocks: the longest prefix its tiers hold, the CPU tier's run
+    first and Redis's after it. Returns where the CPU run ends and where the Redis run after it
+    ends. With `touch` (LMCache's first lookup of a request) it refreshes every block of the CPU
+    run, those vLLM holds in GPU memory too: a context in use keeps its CPU copy."""
+    n = len(keys)
+    cpu_end = 0
+    if cpu is not None:
+        while cpu_end < n and keys[cpu_end] in cpu:
+            cpu_end += 1
+        if touch:
+            cpu.touch(keys[:cpu_end])
+    redis_end = cpu_end
+    if redis is not None:
+        while redis_end < n and keys[redis_end] in redis:
+            redis_end += 1
+    return cpu_end, redis_end
+
+
+class CpuTierModel:
+    """LMCache's CPU tier as the scheduler can follow it: each admitted prompt looked up and stored
+    by the rules above, at the tier's capacity in GPU blocks. `backed(key, held)` hears every block
+    that gains or loses its CPU copy.
+
+    A model, not LMCache's state: LMCache stores whole chunks (`chunk_size` tokens), drops a store
+    it has no room for, and under CacheScout's CPU-tier policy evicts the least likely agent among
+    its oldest chunks rather than strictly the oldest. It only tells the GPU order which blocks a
+    miss would most likely load instead of recompute."""
+
+    def __init__(self, capacity_blocks: int, backed: Callable[[Hashable, bool], None]) -> None:
+        self.tier = TierStore("cpu", capacity_blocks)
+        self.backed = backed
+
+    def admitted(self, prompt_keys: Sequence[Hashable]) -> None:
+        """A request was scheduled: LMCache looked its prompt's full blocks up and stores the rest.
+        Every one of them the tier now holds is told (the GPU cache has just filed some of them)."""
+        tier = self.tier
+        hit, _ = lmcache_lookup(prompt_keys, tier, None)
+        dropped = tier.put([k for k in prompt_keys[hit:] if k not in tier])
+        backed = self.backed
+        for k in prompt_keys:
+            if k in tier:
+                backed(k, True)
+        for k in dropped:
+            backed(k, False)
