@@ -38,7 +38,7 @@ from importlib import resources
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Final, cast
 
-from cachescout.connector.lmcache_model import TierStore, lmcache_lookup
+from cachescout.connector.lmcache_model import TierStore, lmcache_lookup, lmcache_store
 from cachescout.policy import InputError
 
 from .workloads import Session
@@ -546,14 +546,6 @@ class Engine:
             return "redis"
         return None
 
-    def _store(self, keys: Sequence[Hashable]) -> None:
-        """Write-through into LMCache's tiers."""
-        if self.cpu is not None and keys:
-            dropped = self.cpu.put(keys)
-            self.policy.backed(keys, dropped)
-        if self.redis is not None and keys:
-            self.redis.put(keys)
-
     # -- blocks -------------------------------------------------------------------------------
     def _take(self, n: int) -> bool:
         """Reserve n blocks, evicting cached free blocks if needed."""
@@ -676,12 +668,10 @@ class Engine:
             read = hashes[max(hit, cpu_end):end]
             if self.cpu is not None and read:   # LMCache copies what it reads from Redis into CPU
                 self.policy.backed(read, self.cpu.put(read))
-        if tiers:
-            # LMCache stores the prompt from where its own hit ended, blocks vLLM held included,
-            # skipping those a tier already holds (their place in its LRU order is kept).
-            holder = self.cpu if self.cpu is not None else self.redis
-            assert holder is not None
-            self._store([k for k in hashes[redis_end:] if k not in holder])
+        if tiers:   # LMCache stores the prompt from where its own hit ended, blocks vLLM held included
+            stored, dropped = lmcache_store(hashes, redis_end, self.cpu, self.redis)
+            if stored and self.cpu is not None:
+                self.policy.backed(stored, dropped)
         return True
 
     def _grow(self, req: Request) -> bool:

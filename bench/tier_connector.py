@@ -26,7 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from cachescout.policy import ConfigError
 
-from .replay import CostProfile, TierStore, lmcache_lookup, plan_tier_loads
+from cachescout.connector.lmcache_model import TierStore, lmcache_lookup, lmcache_store
+
+from .replay import CostProfile, plan_tier_loads
 
 
 class _NoMetadata(KVConnectorMetadata):
@@ -84,14 +86,7 @@ class ModelledTiersConnector(KVConnectorBase_V1):
             if self.cpu is not None and read:   # LMCache copies what it reads from Redis into CPU
                 self.cpu.put(read)
         # LMCache stores the prompt from where its own hit ended, skipping blocks a tier holds.
-        holder = self.cpu if self.cpu is not None else self.redis
-        if holder is not None:
-            keys = [k for k in hashes[redis_end:] if k not in holder]
-            if keys:
-                if self.cpu is not None:
-                    self.cpu.put(keys)
-                if self.redis is not None:
-                    self.redis.put(keys)
+        lmcache_store(hashes, redis_end, self.cpu, self.redis)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         return _NoMetadata()

@@ -283,7 +283,7 @@ class GpuSteering:
         num_cached = t.local_hit_tokens // policy.cfg.block_size
         t.prompt_blocks = len(keys)
         if self.cpu_tier is not None:   # LMCache looks the prompt up and stores it (warm-ups too)
-            self.cpu_tier.admitted(keys)
+            self.cpu_tier.admitted(keys, num_cached)
         if t.warmup is not None:
             # Its blocks are filed where vLLM put them; the policy hears of them when it ends.
             self.stats["warmup_tokens"] += request.num_prompt_tokens

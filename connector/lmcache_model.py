@@ -70,6 +70,23 @@ def lmcache_lookup(keys: Sequence[Hashable], cpu: TierStore | None, redis: TierS
     return cpu_end, redis_end
 
 
+def lmcache_store(keys: Sequence[Hashable], start: int, cpu: TierStore | None,
+                  redis: TierStore | None) -> tuple[list[Hashable], list[Hashable]]:
+    """LMCache's store of a prompt's blocks from `start` (where its lookup's hit ended): those the
+    first tier does not hold go into every tier; a held block keeps its place. Returns the blocks
+    stored and those the CPU tier dropped to make room."""
+    holder = cpu if cpu is not None else redis
+    if holder is None:
+        return [], []
+    new = [k for k in keys[start:] if k not in holder]
+    if not new:
+        return new, []
+    dropped = cpu.put(new) if cpu is not None else []
+    if redis is not None:
+        redis.put(new)
+    return new, dropped
+
+
 class CpuTierModel:
     """LMCache's CPU tier as the scheduler can follow it: each admitted prompt looked up and stored
     by the rules above, at the tier's capacity in GPU blocks. `backed(key, held)` hears every block
@@ -84,14 +101,15 @@ class CpuTierModel:
         self.tier = TierStore("cpu", capacity_blocks)
         self.backed = backed
 
-    def admitted(self, prompt_keys: Sequence[Hashable]) -> None:
+    def admitted(self, prompt_keys: Sequence[Hashable], filed_from: int = 0) -> None:
         """A request was scheduled: LMCache looked its prompt's full blocks up and stores the rest.
-        Every one of them the tier now holds is told (the GPU cache has just filed some of them)."""
+        The GPU cache filed the blocks from `filed_from` on just now (the others it held, and heard
+        of their copies as they changed): those the tier holds, and the ones stored, are told."""
         tier = self.tier
         hit, _ = lmcache_lookup(prompt_keys, tier, None)
-        dropped = tier.put([k for k in prompt_keys[hit:] if k not in tier])
+        _, dropped = lmcache_store(prompt_keys, hit, tier, None)
         backed = self.backed
-        for k in prompt_keys:
+        for k in prompt_keys[min(filed_from, hit):]:
             if k in tier:
                 backed(k, True)
         for k in dropped:

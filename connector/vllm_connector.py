@@ -181,7 +181,7 @@ class CacheScoutConnector(KVConnectorBase_V1):
             shared, warmup_url = settings.shared_state, settings.gpu_warmup_url
             self.scheduler_side = SchedulerSide(
                 settings, budget_tokens=vllm_config.scheduler_config.max_num_batched_tokens,
-                block_bytes=_block_bytes(kv_cache_config, settings),
+                block_bytes=_block_bytes(kv_cache_config),
                 max_seqs=vllm_config.scheduler_config.max_num_seqs,
                 shared=None if shared is None else lambda: SharedLearnedState(
                     shared, half_life=settings.policy.transition_half_life,
@@ -299,15 +299,13 @@ def _served_name(vllm_config: VllmConfig) -> str:
     return served if isinstance(served, str) and served else str(mc.model)
 
 
-def _block_bytes(kv_cache_config: KVCacheConfig | None, settings: ConnectorSettings) -> int:
-    """Bytes of one GPU block over every layer: from vLLM's KV cache tensors, else from the policy's
-    `kv_bytes_per_token` (a scheduler without tensors, as the benchmark's)."""
+def _block_bytes(kv_cache_config: KVCacheConfig | None) -> int:
+    """Bytes of one GPU block over every layer from vLLM's KV cache tensors; 0 where there are none
+    (the benchmark's scheduler): SchedulerSide then takes the policy's `kv_bytes_per_token`."""
     tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or ()
     blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
     total = sum(int(t.size) for t in tensors)
-    if total > 0 and blocks > 0:
-        return max(total // blocks, 1)
-    return settings.policy.block_size * settings.policy.kv_bytes_per_token
+    return max(total // blocks, 1) if total > 0 and blocks > 0 else 0
 
 
 def _model_name(vllm_config: VllmConfig) -> str:

@@ -436,7 +436,7 @@ def test_the_replays_cpu_tier_keeps_what_lmcaches_keeps(agents, looked_up):
     leaving its place) against LMCache's own engine, chunk for chunk: coder's chunks are the oldest;
     storing coder again does not save them, a lookup of coder's prompt (as vLLM's scheduler makes
     for every request) does."""
-    from cachescout.bench.replay import TierStore, lmcache_lookup
+    from cachescout.connector.lmcache_model import TierStore, lmcache_lookup
 
     coder, critic, searcher = agents
     engine = build_engine(None, "lru")

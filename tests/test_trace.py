@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from cachescout.bench.policies import REGISTRY, make_policy
-from cachescout.bench.replay import (CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys, TierStore,
-                                     lmcache_lookup, plan_tier_loads)
+from cachescout.bench.replay import CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys, plan_tier_loads
+from cachescout.connector.lmcache_model import CpuTierModel, TierStore, lmcache_lookup
 from cachescout.bench.run import NEED_AGENTS, BenchOptions, run_sessions
 from cachescout.bench.trace import TraceError, TraceOptions, export_trace, load_trace, parse_trace, read_trace
 from cachescout.bench.workloads import WorkloadSpec, generate
@@ -99,8 +99,6 @@ def test_lower_tiers_hit_only_the_prefix_lmcache_holds_from_the_first_block():
 
 
 def test_the_schedulers_model_of_lmcaches_cpu_tier_tells_which_blocks_have_a_copy():
-    from cachescout.connector.lmcache_model import CpuTierModel
-
     told: list[tuple[str, bool]] = []
     tier = CpuTierModel(4, lambda key, held: told.append((key, held)))
     tier.admitted(["a", "b"])
@@ -111,6 +109,10 @@ def test_the_schedulers_model_of_lmcaches_cpu_tier_tells_which_blocks_have_a_cop
     tier.admitted(["a", "b", "e", "f"])
     assert told == [("a", True), ("b", True), ("e", True), ("f", True), ("c", False), ("d", False)]
     assert list(tier.tier.keys) == ["b", "a", "e", "f"]   # oldest first: the lookup left a newest of its run
+    told.clear()
+    # The same prompt again, its first two blocks a GPU hit (filed before): only the rest is told.
+    tier.admitted(["a", "b", "e", "f"], filed_from=2)
+    assert told == [("e", True), ("f", True)]
 
 
 def test_lmcache_stores_prompts_and_not_what_decode_fills():
