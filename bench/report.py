@@ -236,15 +236,21 @@ within 30 minutes, replayed closed-loop (each call its recorded think time after
 finished here) or open-loop (at the recorded times), the GPU cache sized where LRU hits 60, 75 and
 90%. A closed loop is chaotic: a 0.1% change in prefill time reorders calls and moves LRU's own hit
 rate by up to a point, so each cell is the mean of {jitters} timings (prefill cost moved in 0.1%
-steps), every policy on the same ones; `LRU spread` is LRU's standard deviation over them and `±` the
-standard error of the paired difference. `bound` is Belady over each run's own calls, the most of
-the cell's runs. Where a mix's largest call needs a cache at which LRU already hits more than a
-target, that cell is the same for several targets and is shown once. `cachescout-unsure` is
-CacheScout never confident in its model (LRU order with queued requests' blocks kept last): what
-`cachescout` adds to it is the model's order. The guard's measure in the summaries is CacheScout's
-own, made while it runs: its hits minus its shadow LRU's on the same calls, per sampled access. It
-sees what the order does on the calls as they came, not what the order changes in *when* they come
-(closed loop; see [policy.md](policy.md#lru-guard-guardpy)).
+steps), every policy on the same ones; `LRU spread` is LRU's standard deviation over them, `±` the
+standard error of the paired difference in hit rate, and the `±` after a TTFT change the standard
+error of that policy's TTFT ratio to LRU's over the same timings (in a closed loop a few points of
+TTFT come and go with timing alone). `bound` is Belady over each run's own calls, the most of the
+cell's runs: it bounds GPU-tier hits. With a CPU tier, `hit` counts every tier, which that bound
+does not cover (LMCache's copies add hits beyond it); `bound (all tiers)` is Belady over each run's
+calls with one cache as large as the GPU cache and the CPU tier together, which holds every block
+either tier holds, so it bounds them (loosely: no two-tier policy keeps its blocks that freely).
+Where a mix's largest call needs a cache at which LRU already hits more than a target, that cell is
+the same for several targets and is shown once. `cachescout-unsure` is CacheScout never confident
+in its model (LRU order with queued requests' blocks kept last): what `cachescout` adds to it is the
+model's order. The guard's measure in the summaries is CacheScout's own, made while it runs: its
+hits minus its shadow LRU's on the same calls, per sampled access. It sees what the order does on
+the calls as they came, not what the order changes in *when* they come (closed loop; see
+[policy.md](policy.md#lru-guard-guardpy)).
 """
 REAL_RUN_TEXT = """{tiers}
 

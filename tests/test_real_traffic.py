@@ -10,6 +10,22 @@ from cachescout.bench import real_traffic
 DATA = Path(__file__).parent / "data" / "claude-code"
 
 
+def test_with_a_cpu_tier_a_cell_is_bounded_on_every_tiers_hits():
+    cell = real_traffic.Cell(str(DATA), 3, 1, "open", 0.7, ("lmcache-lru", "cachescout"), 2, 2.0, 120.0)
+    c = real_traffic.run_cell(cell)
+    assert c["cpu_blocks"] == 2 * c["gpu_blocks"]
+    assert c["bound_hit_rate"] >= c["bound_gpu_hit_rate"]
+    for name in ("lmcache-lru", "cachescout"):
+        for r in c["policies"][name]["runs"]:
+            assert r["token_hit_rate"] <= c["bound_hit_rate"] + 1e-9, name
+    # The table shows that bound (the GPU one would not bound a `hit` that counts every tier), and
+    # the spread of each TTFT ratio to LMCache's LRU over the timings.
+    table = real_traffic.format_cells([c], ["lmcache-lru", "cachescout"])
+    assert "bound (all tiers)" in table and f"{c['bound_hit_rate']:.4f}" in table
+    se = real_traffic.ttft_ratio_se(c["policies"]["cachescout"]["runs"], c["policies"]["lmcache-lru"]["runs"])
+    assert se is not None and se >= 0 and f"±{se:.1%}" in table
+
+
 def test_a_small_matrix_reports_every_policy_against_lru_and_the_bound(tmp_path, capsys):
     out = tmp_path / "real.json"
     rc = real_traffic.main(["--trace", str(DATA), "--closed", "4", "--open", "3", "--seeds", "1",
