@@ -9,6 +9,7 @@ from typing import cast
 from cachescout.policy import CacheScoutPolicy, Hints, InputError, PolicyConfig, measured_gain
 
 from .belady import BeladyPolicy
+from .oracles import KnowsDeadLRU, KnowsEndsLRU
 from .baselines import ContinuumPolicy, KVFlowPolicy
 from .replay import LMCacheLRUPolicy, LRUPolicy, ReplayPolicy, Request
 from .workloads import Session
@@ -118,6 +119,9 @@ REGISTRY: dict[str, Callable[[PolicyConfig, Sequence[Session]], ReplayPolicy]] =
     "continuum": lambda cfg, sessions: ContinuumPolicy(),
     "kvflow": lambda cfg, sessions: KVFlowPolicy(sessions, cfg.block_size),
     "belady": lambda cfg, sessions: BeladyPolicy(sessions, cfg.block_size),
+    # LRU told which blocks are never used again / which sessions are over (bench/oracles.py).
+    "lru-knows-dead": lambda cfg, sessions: KnowsDeadLRU(sessions, cfg.block_size),
+    "lru-knows-ends": lambda cfg, sessions: KnowsEndsLRU(sessions, cfg.block_size),
 }
 
 

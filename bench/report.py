@@ -314,6 +314,13 @@ def real_traffic_section(report: dict, intro: bool = True) -> str:
     command = f"python -m cachescout.bench.real_traffic --trace ../shared/traces/claude-code {flags}"
     tiers = (f"With LMCache's CPU tier at {args['cpu_ratio']:g}x the GPU cache: `hit` counts every tier."
              if args.get("cpu_ratio") else "GPU tier only.")
+    if any(p.startswith("lru-knows-") for p in policies):
+        where = "with LMCache's CPU tier" if args.get("cpu_ratio") else "GPU tier only"
+        tiers = (f"What Belady's foresight is worth, part by part ({where}):"
+                 " `lru-knows-ends` is LRU told which sessions are over (they have made their last call),"
+                  " `lru-knows-dead` LRU told which blocks no later call uses (`bench/oracles.py`): their free"
+                  " blocks go first. What is left of Belady's gain above them is knowing when each"
+                  " conversation that is not over calls again.")
     text = REAL_RUN_TEXT.format(tiers=tiers, command=command)
     if intro:
         text = REAL_TEXT.format(jitters=args["jitters"]) + "\n" + text
