@@ -1,7 +1,8 @@
 """LRU told one thing about the future: what part of Belady's gain each kind of foresight is worth.
 
 Reference policies, like `belady`, not bounds: they read the workload's future calls. Each keeps
-vLLM's LRU order, except that free blocks of one kind leave first (in LRU order among themselves):
+vLLM's LRU order, except that free blocks of one kind leave first (in LRU order among themselves);
+like `lru`, they run without LMCache's tiers:
 
 - `lru-knows-dead`: blocks no later call's prompt uses (a conversation's last context, the blocks an
   edited or compacted conversation leaves behind). LRU plus perfect knowledge of which blocks are
@@ -25,8 +26,12 @@ from .workloads import Session
 class ForesightLRU(LRUPolicy):
     """LRU with the blocks `_first` names evicted before all others."""
 
+    label = "lru-knows"
+
     def __init__(self, sessions: Sequence[Session], block_size: int) -> None:
         super().__init__()
+        # Set here, not as a class attribute: the compiled LRUPolicy sets `name` on each instance.
+        self.name = self.label
         self.first: OrderedDict[Hashable, None] = OrderedDict()   # free blocks that go first, LRU order
         self.uses: dict[Hashable, int] = {}      # key -> prompts not yet admitted that use it
         self.users: dict[Hashable, int] = {}     # key -> sessions using it that have a call left
@@ -102,14 +107,14 @@ class ForesightLRU(LRUPolicy):
 
 
 class KnowsDeadLRU(ForesightLRU):
-    name = "lru-knows-dead"
+    label = "lru-knows-dead"
 
     def _first(self, key: Hashable) -> bool:
         return self.uses.get(key, 0) <= 0
 
 
 class KnowsEndsLRU(ForesightLRU):
-    name = "lru-knows-ends"
+    label = "lru-knows-ends"
 
     def _first(self, key: Hashable) -> bool:
         return self.users.get(key, 0) <= 0

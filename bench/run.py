@@ -218,12 +218,15 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     bound = max((r["run_bound_gpu_hit_rate"] for r in results), default=0.0)
     for r in results:
         r["within_bound"] = r["gpu_token_hit_rate"] <= bound + 1e-12
-    lru = next((r for r in results if r["policy"] == "lru"), None)
+    # The baseline every "vs LRU" figure is against: vLLM's LRU, or where only LMCache's is run
+    # (a tiered comparison), that one.
+    baseline = next((p for p in ("lru", "lmcache-lru") if p in runs), None)
+    lru = known[baseline] if baseline is not None else None
     lru_spread = None
-    if lru is not None and timings > 1:
+    if baseline is not None and timings > 1:
         # Against LRU on the same timings: the mean difference's standard error, beside LRU's own
         # spread across them (the noise of any single replay).
-        lru_hits = [r["token_hit_rate"] for r in runs["lru"]]
+        lru_hits = [r["token_hit_rate"] for r in runs[baseline]]
         lru_spread = statistics.stdev(lru_hits)
         for r in results:
             d = [a["token_hit_rate"] - b for a, b in zip(runs[r["policy"]], lru_hits, strict=True)]
@@ -251,6 +254,7 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         "unbounded_cache_hit_rate": unbounded_hit,
         "bound_gpu_hit_rate": bound,
         "timings": timings,
+        "baseline": baseline,
         "lru_spread": lru_spread,
         "results": results,
         **sweeps,
@@ -388,20 +392,23 @@ def format_table(report: dict) -> str:
     if "trace" in report and report["trace"]["skipped"]:
         head += f"\n  ({report['trace']['skip_summary']})"
     paired = report.get("timings", 1) > 1 and report.get("lru_spread") is not None
+    baseline = report.get("baseline", "lru")
     if report.get("timings", 1) > 1:
         head += (f"\n  means over {report['timings']} timings (prefill cost +0.1% apart)"
                  + (f"; LRU's hit rate moves by {100 * report['lru_spread']:.2f} points (sd) across them alone, "
                     "'hit vs LRU': on the same timings, ± its standard error" if paired else ""))
+    if baseline not in (None, "lru"):
+        head += f"\n  'vs LRU': against {baseline}"
     cols = ("policy", "hit", *(("hit vs LRU",) if paired else ()), "prefill tok", "TTFT mean", "TTFT p99",
             "vs LRU", "gap closed", "load@TTFT", "agents", "sessions", "next-agent")
     rows = [cols]
     for r in report["results"]:
         rows.append((
             r["policy"], f"{r['token_hit_rate']:.3f}",
-            *(("-" if r["policy"] == "lru" else f"{100 * r['hit_vs_lru']:+.2f} ±{100 * r['hit_vs_lru_se']:.2f} pt",)
+            *(("-" if r["policy"] == baseline else f"{100 * r['hit_vs_lru']:+.2f} ±{100 * r['hit_vs_lru_se']:.2f} pt",)
               if paired else ()),
             f"{r['prefill_tokens']:,.0f}", f"{r['ttft_mean_ms']:.0f} ms",
-            f"{r['ttft_p99_ms']:.0f} ms", f"{r.get('ttft_mean_vs_lru', 0.0):+.0%}",
+            f"{r['ttft_p99_ms']:.0f} ms", f"{r['ttft_mean_vs_lru']:+.0%}" if "ttft_mean_vs_lru" in r else "-",
             f"{r['gap_closed']:.0%}" if "gap_closed" in r else "-",
             _load_cell(r),
             f"{r['agent_accuracy']:.3f}" if "agent_accuracy" in r else "-",
@@ -483,6 +490,8 @@ def run(opts: BenchOptions, progress: Progress | None = None, out=None) -> dict:
                  "a bound on every run's GPU-tier hit rate; gap_closed = (policy - lru) / (bound - lru), GPU tier "
                  "only, where the bound is above LRU; belady is a policy that knows a reference run's future, not "
                  "a bound; unbounded_cache_hit_rate: an infinite cache",
+        "baseline": "each workload's `baseline`: the policy the *_vs_lru figures and lru_spread are of, lru, "
+                    "or lmcache-lru where lru was not run (a tiered comparison); none where neither was",
         "build": NATIVE_STATUS,   # replay_wall_s and replay_calls_per_s depend on it, no other figure does
         "workloads": reports,
     }

@@ -92,3 +92,22 @@ def test_with_a_cpu_tier_every_tiers_hits_stay_within_belady_over_both_capacitie
         assert s["gpu_token_hit_rate"] <= gpu_bound + 1e-12, name
         assert s["token_hit_rate"] > gpu_bound, name    # why the GPU bound is not shown beside them
         assert s["token_hit_rate"] <= both + 1e-12, name
+
+
+def test_a_tiered_comparison_without_plain_lru_is_against_lmcaches_lru():
+    # Several timings, only LMCache's LRU as a baseline: the figures that are against LRU are against
+    # it (they used to be missing, and the table printed "+0%" for each); with no baseline, none.
+    from cachescout.bench.run import format_table
+
+    sessions, _ = load_trace(DATA, TraceOptions(conversations=9, window_s=120))
+    opts = BenchOptions(policies=("lmcache-lru", "cachescout"), gpu_blocks=6000, cpu_blocks=3000, timings=2,
+                        sweeps=False)
+    report = run_sessions("mix", sessions, 64, opts)
+    assert report["baseline"] == "lmcache-lru"
+    base, ours = report["results"]
+    assert base["ttft_mean_vs_lru"] == 0.0 and base["hit_vs_lru"] == 0.0
+    assert ours["hit_vs_lru"] == pytest.approx(ours["token_hit_rate"] - base["token_hit_rate"])
+    assert "'vs LRU': against lmcache-lru" in format_table(report)
+    alone = run_sessions("mix", sessions, 64, BenchOptions(policies=("cachescout",), gpu_blocks=6000, timings=2,
+                                                           sweeps=False))
+    assert alone["baseline"] is None and "ttft_mean_vs_lru" not in alone["results"][0]

@@ -264,6 +264,7 @@ def test_every_policy_replays_a_trace_without_agents_or_says_it_needs_them(name)
         return
     report = run_sessions("t", sessions, 512, BenchOptions(policies=(name,), gpu_blocks=8, sweeps=False))
     assert report["results"][0]["calls"] == 6
+    assert report["results"][0]["policy"] == name   # reported under its own name (the tables key on it)
 
 
 def test_the_default_policies_leave_out_those_a_trace_cannot_feed():
