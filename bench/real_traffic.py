@@ -50,6 +50,7 @@ class Cell:
     jitters: int
     cpu_ratio: float
     window_s: float
+    cost_profile: str = "llama3.1-8b-h200"
 
 
 def run_cell(cell: Cell) -> dict[str, Any]:
@@ -58,9 +59,9 @@ def run_cell(cell: Cell) -> dict[str, Any]:
                                                       window_s=cell.window_s))
     bs = sessions[0].calls[0].block_size
     keys = PromptKeys(bs)
-    blocks = calibrate_gpu_blocks(sessions, bs, target=cell.target, prompt_keys=keys)
+    base = CostProfile.named(cell.cost_profile)
+    blocks = calibrate_gpu_blocks(sessions, bs, target=cell.target, prompt_keys=keys, cost=base)
     cpu = int(cell.cpu_ratio * blocks)
-    base = CostProfile()
     cfg = PolicyConfig(block_size=bs, **base.policy_settings())
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in cell.policies}
     bounds = []
@@ -107,8 +108,9 @@ def run_cell(cell: Cell) -> dict[str, Any]:
 
 
 def matrix(trace: str, counts: dict[str, Sequence[int]], seeds: Sequence[int], targets: Sequence[float],
-           policies: Sequence[str], jitters: int, cpu_ratio: float, window_s: float) -> list[Cell]:
-    return [Cell(trace, n, seed, loop, t, tuple(policies), jitters, cpu_ratio, window_s)
+           policies: Sequence[str], jitters: int, cpu_ratio: float, window_s: float,
+           cost_profile: str = "llama3.1-8b-h200") -> list[Cell]:
+    return [Cell(trace, n, seed, loop, t, tuple(policies), jitters, cpu_ratio, window_s, cost_profile)
             for loop, ns in counts.items() for n in ns for seed in seeds for t in targets]
 
 
@@ -205,6 +207,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jitters", type=int, default=3, help="timings each cell is replayed under")
     p.add_argument("--cpu-ratio", type=float, default=0.0, help="LMCache CPU tier as a multiple of the GPU cache")
     p.add_argument("--window", type=float, default=1800.0, help="conversations start within this many seconds")
+    p.add_argument("--cost-profile", default="llama3.1-8b-h200",
+                   help="step-time and tier profile from bench/data/cost_profiles.json")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--quick", action="store_true", help="one closed-loop count, seeds 1-2 (a few minutes)")
     p.add_argument("--json", default=None, help="write every cell's figures here")
@@ -229,13 +233,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--targets must be LRU hit rates within (0, 1), got {args.targets!r}")
     if not (math.isfinite(args.cpu_ratio) and args.cpu_ratio >= 0):
         p.error(f"--cpu-ratio must be a finite number >= 0, got {args.cpu_ratio}")
+    try:
+        CostProfile.named(args.cost_profile)
+    except ValueError as e:
+        p.error(f"--cost-profile: {e}")
     if not os.path.isdir(args.trace):
         p.error(f"--trace {args.trace}: not a folder of conversation files")
     try:
         load_trace(args.trace, TraceOptions(conversations=1))   # a bad folder fails here, not in a worker
     except ValueError as e:
         p.error(f"--trace {args.trace}: {e}")
-    cells = matrix(args.trace, counts, seeds, targets, policies, args.jitters, args.cpu_ratio, args.window)
+    cells = matrix(args.trace, counts, seeds, targets, policies, args.jitters, args.cpu_ratio, args.window,
+                   args.cost_profile)
     t0 = time.time()
     results = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -65,6 +65,9 @@ class CostProfile:
     redis_gbps: float = 5.0
     redis_latency_s: float = 1e-3
     kv_bytes_per_token: int = 131072
+    # Attention's own cost, which grows with the context: seconds per prompt token per token before
+    # it (0: a token is priced the same at any depth, as the default profiles still do).
+    attention_s_per_token_context: float = 0.0
 
     @classmethod
     def named(cls, name: str) -> CostProfile:
@@ -82,11 +85,19 @@ class CostProfile:
                 "cpu_load_gbps": self.cpu_gbps, "cpu_load_latency_s": self.cpu_latency_s,
                 "redis_load_gbps": self.redis_gbps, "redis_load_latency_s": self.redis_latency_s}
 
-    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int) -> float:
+    def step_s(self, prefill_tokens: int, decode_seqs: int, context_tokens: int, attention_pairs: float = 0.0) -> float:
+        """One step's time; `attention_pairs`: over the step's prefill tokens, the tokens before
+        each in its prompt (`attention_pairs` below), for the attention term."""
         t = self.step_overhead_s + prefill_tokens * self.prefill_s_per_token
+        if attention_pairs:
+            t += attention_pairs * self.attention_s_per_token_context
         if decode_seqs:
             t += self.decode_pass_s + context_tokens * self.kv_read_s_per_token
         return t
+
+    def prefill_s(self, start: int, tokens: int) -> float:
+        """Compute seconds to prefill `tokens` tokens of a prompt after its first `start`."""
+        return tokens * self.prefill_s_per_token + self.attention_s_per_token_context * attention_pairs(start, tokens)
 
     def load_s(self, tier: str, blocks: int, block_size: int) -> float:
         """Seconds to bring `blocks` blocks from `tier` into GPU memory."""
@@ -96,9 +107,16 @@ class CostProfile:
             gbps, latency = self.redis_gbps, self.redis_latency_s
         return latency + blocks * block_size * self.kv_bytes_per_token / (gbps * 1e9)
 
-    def worth_loading(self, tier: str, blocks: int, block_size: int) -> bool:
-        """A tier is read only when loading beats recomputing."""
-        return self.load_s(tier, blocks, block_size) < blocks * block_size * self.prefill_s_per_token
+    def worth_loading(self, tier: str, blocks: int, block_size: int, start_block: int = 0) -> bool:
+        """A tier is read only when loading beats recomputing (the blocks from `start_block` on:
+        with an attention term, deeper blocks cost more to recompute)."""
+        return self.load_s(tier, blocks, block_size) < self.prefill_s(start_block * block_size, blocks * block_size)
+
+
+def attention_pairs(start: int, tokens: int) -> float:
+    """Over `tokens` prompt tokens after the first `start`, the tokens before each: what causal
+    attention's compute grows with."""
+    return tokens * (start + (tokens - 1) / 2)
 
 
 def plan_tier_loads(start: int, limit: int, cpu_end: int, redis_end: int, cost: CostProfile,
@@ -114,7 +132,7 @@ def plan_tier_loads(start: int, limit: int, cpu_end: int, redis_end: int, cost: 
         stop = min(stop, limit)
         if stop <= end:
             continue
-        if not cost.worth_loading(tier, stop - end, block_size):
+        if not cost.worth_loading(tier, stop - end, block_size, end):
             break
         runs.append((tier, stop - end))
         end = stop
@@ -805,7 +823,9 @@ class Engine:
                     raise CacheTooSmall("a request needs more KV blocks than the GPU cache holds; raise gpu_blocks")
                 continue
             prefill_tokens = sum(c for _, c in prefill)
-            step_s = cfg.cost.step_s(prefill_tokens, n_decode, context) + self._load_s
+            pairs = (sum([attention_pairs(r.computed, c) for r, c in prefill])
+                     if cfg.cost.attention_s_per_token_context else 0.0)
+            step_s = cfg.cost.step_s(prefill_tokens, n_decode, context, pairs) + self._load_s
             self.load_s_total += self._load_s
             self._load_s = 0.0
             self.now += step_s

@@ -93,7 +93,12 @@ calls, cache sizes and run.
   fills is not (LMCache's `save_decode_cache` is off by default); a tier is read only when loading
   beats recomputing; prefetch moves blocks between steps, limited by the links' bandwidth. Step
   time and tier speeds: Llama-3.1-8B on one H200
-  (`bench/data/cost_profiles.json`, with sources; an H100 profile too).
+  (`bench/data/cost_profiles.json`, with sources; an H100 profile too). Prefill is priced per
+  token, the same at any depth: attention's own cost, which grows with the context before a token
+  (at 100,000 tokens 3.3 times the FLOP of the weights), is left out: on the built-in workloads'
+  prompts (1,500-2,300 tokens on average) it would add a few percent to prefill, on long
+  conversations it multiplies it. `llama3.1-8b-h200-attention` prices it (see
+  [Real traffic](#real-traffic)).
 - **Cache size**: per workload, the smallest GPU cache (within 2%) at which vanilla vLLM's LRU hits
   68% of prompt tokens.
 - **Semantics**: `hit` is the token-weighted prefix hit rate under vLLM block semantics (all tiers);
@@ -309,11 +314,18 @@ def real_traffic_section(report: dict, intro: bool = True) -> str:
     args = report["args"]
     policies = [x for x in args["policies"].split(",") if x]
     flags = " ".join(f"--{k.replace('_', '-')} {args[k]}" for k in ("closed", "open", "seeds", "targets",
-                                                                    "policies", "jitters", "cpu_ratio")
-                     if args.get(k) not in (None, "", 0, 0.0))
+                                                                    "policies", "jitters", "cpu_ratio", "cost_profile")
+                     if args.get(k) not in (None, "", 0, 0.0, "llama3.1-8b-h200"))
     command = f"python -m cachescout.bench.real_traffic --trace ../shared/traces/claude-code {flags}"
     tiers = (f"With LMCache's CPU tier at {args['cpu_ratio']:g}x the GPU cache: `hit` counts every tier."
              if args.get("cpu_ratio") else "GPU tier only.")
+    if args.get("cost_profile", "llama3.1-8b-h200") != "llama3.1-8b-h200":
+        tiers += (f" Cost profile `{args['cost_profile']}`"
+                  + (": prefill priced with attention's cost too, each prompt token by the tokens before it"
+                     " (the other tables price every token the same), and each cache sized where LRU hits the"
+                     " target on that timing. Calls take longer, so more of them overlap; in open loop, at the"
+                     " recorded times, the mixes are more than one replica serves (LRU's mean TTFT runs to"
+                     " minutes: a queue that grows through the run)." if "attention" in args["cost_profile"] else "."))
     if any(p.startswith("lru-knows-") for p in policies):
         where = "with LMCache's CPU tier" if args.get("cpu_ratio") else "GPU tier only"
         tiers = (f"What Belady's foresight is worth, part by part ({where}):"

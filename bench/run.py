@@ -91,13 +91,15 @@ Progress = Callable[[str], None]
 
 
 def calibrate_gpu_blocks(sessions: Sequence[Session], block_size: int, target: float = TARGET_LRU_HIT,
-                         prompt_keys: PromptKeys | None = None) -> int:
-    """Smallest GPU cache (blocks, within 2%) at which LRU reaches `target` token hit rate."""
+                         prompt_keys: PromptKeys | None = None, cost: CostProfile | None = None) -> int:
+    """Smallest GPU cache (blocks, within 2%) at which LRU reaches `target` token hit rate, timed by
+    `cost` (default: the default profile): where calls overlap depends on how long they take."""
     prompt_keys = prompt_keys or PromptKeys(block_size)
+    cost = cost or CostProfile()
 
     def lru_hit(blocks: int) -> float:
         try:
-            result = Engine(EngineConfig(gpu_blocks=blocks, block_size=block_size),
+            result = Engine(EngineConfig(gpu_blocks=blocks, block_size=block_size, cost=cost),
                             make_policy("lru", PolicyConfig(block_size=block_size)), prompt_keys).run(
                                 sessions, max_preemptions=len(sessions))
         except CacheTooSmall:  # thrashing
@@ -164,7 +166,8 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
         target = min(TARGET_LRU_HIT, CEILING_SHARE * unbounded_hit)
         if progress:
             progress(f"{name}: sizing the GPU cache for LRU at {target:.0%}")
-        blocks = calibrate_gpu_blocks(sessions, block_size, target=target, prompt_keys=prompt_keys)
+        blocks = calibrate_gpu_blocks(sessions, block_size, target=target, prompt_keys=prompt_keys,
+                                      cost=CostProfile.named(opts.cost_profile))
     cpu_blocks = opts.cpu_blocks or int(opts.cpu_ratio * blocks)
     redis_blocks = opts.redis_blocks or int(opts.redis_ratio * blocks)
     cfg = EngineConfig(gpu_blocks=blocks, block_size=block_size, cpu_blocks=cpu_blocks,

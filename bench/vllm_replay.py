@@ -51,7 +51,7 @@ from cachescout.connector.vllm_connector import CacheScoutConnector  # noqa: E40
 
 from cachescout.policy import InputError  # noqa: E402
 
-from .replay import CacheTooSmall, EngineConfig, SessionFlow, _pct, check_fits  # noqa: E402
+from .replay import CacheTooSmall, EngineConfig, SessionFlow, _pct, attention_pairs, check_fits  # noqa: E402
 from .table import render  # noqa: E402
 from .tier_connector import ModelledTiersConnector  # noqa: E402
 from .workloads import Session  # noqa: E402
@@ -246,6 +246,7 @@ class VllmReplay:
             if not out.num_scheduled_tokens:
                 raise CacheTooSmall("vLLM scheduled nothing: a call needs more KV blocks than the cache holds")
             prefill_tokens = decode_seqs = context = 0
+            pairs = 0.0
             sampled: list[list[int]] = []
             ids = list(out.num_scheduled_tokens)
             for rid in ids:
@@ -258,13 +259,14 @@ class VllmReplay:
                     context += before
                 else:
                     prefill_tokens += n
+                    pairs += attention_pairs(before, n)
                 if req.is_prefill_chunk:
                     sampled.append([])   # a prefill chunk samples nothing
                 else:
                     output = c.output if c.output is not None else c.session.calls[c.index].output
                     sampled.append([output[c.generated] if c.generated < len(output) else 0])
             # Loads from the lower tiers go before the step's compute, as in the fast replay.
-            self.now += cost.step_s(prefill_tokens, decode_seqs, context) + (
+            self.now += cost.step_s(prefill_tokens, decode_seqs, context, pairs) + (
                 self.tiers.take_step_load_s() if self.tiers is not None else 0.0)
             mro = ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
                                     sampled_token_ids=sampled)

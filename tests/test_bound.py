@@ -111,3 +111,16 @@ def test_a_tiered_comparison_without_plain_lru_is_against_lmcaches_lru():
     alone = run_sessions("mix", sessions, 64, BenchOptions(policies=("cachescout",), gpu_blocks=6000, timings=2,
                                                            sweeps=False))
     assert alone["baseline"] is None and "ttft_mean_vs_lru" not in alone["results"][0]
+
+
+def test_the_cache_is_sized_on_the_runs_own_timing():
+    # Calls that take longer overlap more, and LRU needs a larger cache for the same hit rate.
+    import dataclasses
+
+    from cachescout.bench.replay import CostProfile
+    from cachescout.bench.run import calibrate_gpu_blocks
+
+    sessions, _ = load_trace(DATA, TraceOptions(conversations=9, window_s=120))
+    slow = dataclasses.replace(CostProfile(), attention_s_per_token_context=2e-8)
+    plain = calibrate_gpu_blocks(sessions, 64, target=0.8)
+    assert calibrate_gpu_blocks(sessions, 64, target=0.8, cost=slow) > 1.3 * plain

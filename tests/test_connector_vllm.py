@@ -722,3 +722,24 @@ def test_the_warm_up_sender_sends_one_at_a_time_and_counts_failures(caplog):
 def test_a_bad_warm_up_address_fails_at_start_up(url):
     with pytest.raises(ConfigError, match="gpu_warmup_url"):
         build_scheduler(64, connector={"gpu_warmup_url": url})
+
+
+def test_vllms_scheduler_prices_attention_as_the_fast_replay_does():
+    # One 20,000-token call, prefilled in chunks by vLLM's scheduler: the attention term adds the
+    # same time to its first token as in the fast replay (tests/test_trace.py), whatever the chunks.
+    import dataclasses
+    import json
+
+    from cachescout.bench.replay import CostProfile
+    from cachescout.bench.trace import parse_trace
+
+    record = {"timestamp": 0, "input_length": 20000, "output_length": 2, "hash_ids": list(range(1, 40))}
+    sessions, _ = parse_trace([json.dumps(record)], block_size=512)
+    plain = CostProfile()
+    ttft = {}
+    for coef in (0.0, 1e-9):
+        cost = dataclasses.replace(plain, attention_s_per_token_context=coef)
+        cfg = EngineConfig(gpu_blocks=100, block_size=512, cost=cost)
+        (call,) = VllmReplay(cfg, "lru").run(sessions).calls
+        ttft[coef] = call.first_token_at - call.issued_at
+    assert ttft[1e-9] - ttft[0.0] == pytest.approx(1e-9 * 20000 * 19999 / 2)

@@ -93,3 +93,22 @@ def test_a_missing_or_empty_folder_is_refused_before_any_work(tmp_path, capsys):
         with pytest.raises(SystemExit):
             real_traffic.main(["--trace", str(path)])
         assert "--trace" in capsys.readouterr().err
+
+
+def test_a_cost_profile_is_chosen_by_name_and_said_in_the_section(tmp_path, capsys):
+    from cachescout.bench.report import real_traffic_section
+
+    with pytest.raises(SystemExit):
+        real_traffic.main(["--trace", str(DATA), "--cost-profile", "h900"])
+    assert "--cost-profile: unknown cost profile 'h900'; choose from" in capsys.readouterr().err
+    out = tmp_path / "a.json"
+    common = ["--trace", str(DATA), "--closed", "3", "--open", "", "--seeds", "1", "--targets", "0.7", "--jitters", "1",
+              "--policies", "lru", "--jobs", "1"]
+    assert real_traffic.main([*common, "--json", str(out), "--cost-profile", "llama3.1-8b-h200-attention"]) == 0
+    assert real_traffic.main([*common, "--json", str(tmp_path / "p.json")]) == 0
+    deep, plain = (json.loads(p.read_text()) for p in (out, tmp_path / "p.json"))
+    (a,), (b,) = deep["cells"], plain["cells"]
+    assert a["policies"]["lru"]["ttft_mean_ms"] > b["policies"]["lru"]["ttft_mean_ms"]   # long prompts cost more
+    section = real_traffic_section(deep, intro=False)
+    assert "--cost-profile llama3.1-8b-h200-attention" in section and "priced with attention's cost" in section
+    assert "--cost-profile" not in real_traffic_section(plain, intro=False)

@@ -1,3 +1,4 @@
+import dataclasses
 import gc
 import gzip
 import json
@@ -358,3 +359,26 @@ def test_the_cost_profile_reaches_the_policy(monkeypatch, profile):
     used = [cfg for name, cfg in seen if name == "cachescout"]
     assert used and all({k: getattr(cfg, k) for k in want} == want for cfg in used)
     assert want != CostProfile().policy_settings()   # the profile differs from the default: the check can fail
+
+
+def test_the_attention_term_prices_each_prompt_token_by_the_context_before_it():
+    # One call of 20,000 tokens, no hit, prefilled in three chunks (8,192 tokens a step): with the
+    # attention term its first token comes later by exactly the term times the tokens-before pairs
+    # of the whole prompt, 20,000 x 19,999 / 2, whatever the chunking.
+    record = {"timestamp": 0, "input_length": 20000, "output_length": 2, "hash_ids": list(range(1, 40))}
+    sessions, report = parse_trace([json.dumps(record)], block_size=512)
+    assert report.skipped == 0
+    plain = CostProfile()
+    deep = dataclasses.replace(plain, attention_s_per_token_context=1e-9)
+    ttft = {}
+    for cost in (plain, deep):
+        (req,) = _hit(sessions, "lru", 100, block_size=512, cost=cost).requests
+        ttft[cost] = req.first_token_at - req.issued_at
+    assert ttft[deep] - ttft[plain] == pytest.approx(1e-9 * 20000 * 19999 / 2)
+    # Recomputing deep blocks costs more than shallow ones, so a slow tier is worth reading for them.
+    slow = dataclasses.replace(deep, cpu_gbps=1.0)   # 8 blocks of 512 tokens: 0.54 s to load
+    assert not slow.worth_loading("cpu", 8, 512, start_block=0)
+    assert slow.worth_loading("cpu", 8, 512, start_block=300)
+    flat = dataclasses.replace(slow, attention_s_per_token_context=0.0)
+    assert not flat.worth_loading("cpu", 8, 512, start_block=300)
+    assert CostProfile.named("llama3.1-8b-h200-attention").attention_s_per_token_context > 0
