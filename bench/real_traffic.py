@@ -31,7 +31,7 @@ from cachescout.policy import NATIVE_STATUS, PolicyConfig
 
 from .bound import belady_hits
 from .policies import REGISTRY, guard_gain, make_policy
-from .replay import CostProfile, Engine, EngineConfig, PromptKeys
+from .replay import DEFAULT_COST_PROFILE, CostProfile, Engine, EngineConfig, PromptKeys
 from .run import calibrate_gpu_blocks, timing
 from .table import render
 from .trace import TraceOptions, load_trace
@@ -50,7 +50,7 @@ class Cell:
     jitters: int
     cpu_ratio: float
     window_s: float
-    cost_profile: str = "llama3.1-8b-h200"
+    cost_profile: str = DEFAULT_COST_PROFILE
 
 
 def run_cell(cell: Cell) -> dict[str, Any]:
@@ -109,7 +109,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
 
 def matrix(trace: str, counts: dict[str, Sequence[int]], seeds: Sequence[int], targets: Sequence[float],
            policies: Sequence[str], jitters: int, cpu_ratio: float, window_s: float,
-           cost_profile: str = "llama3.1-8b-h200") -> list[Cell]:
+           cost_profile: str = DEFAULT_COST_PROFILE) -> list[Cell]:
     return [Cell(trace, n, seed, loop, t, tuple(policies), jitters, cpu_ratio, window_s, cost_profile)
             for loop, ns in counts.items() for n in ns for seed in seeds for t in targets]
 
@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jitters", type=int, default=3, help="timings each cell is replayed under")
     p.add_argument("--cpu-ratio", type=float, default=0.0, help="LMCache CPU tier as a multiple of the GPU cache")
     p.add_argument("--window", type=float, default=1800.0, help="conversations start within this many seconds")
-    p.add_argument("--cost-profile", default="llama3.1-8b-h200",
+    p.add_argument("--cost-profile", default=DEFAULT_COST_PROFILE,
                    help="step-time and tier profile from bench/data/cost_profiles.json")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--quick", action="store_true", help="one closed-loop count, seeds 1-2 (a few minutes)")

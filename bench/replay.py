@@ -50,12 +50,15 @@ except ImportError:   # not compiled (tools/native.py): the decorator only means
         return lambda cls: cls
 
 
+DEFAULT_COST_PROFILE: Final = "llama3.1-8b-h200"
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class CostProfile:
     """Step-time and tier coefficients; the figures and their sources are in
     data/cost_profiles.json (defaults: Llama-3.1-8B in bf16 on one H200)."""
 
-    name: str = "llama3.1-8b-h200"
+    name: str = DEFAULT_COST_PROFILE
     step_overhead_s: float = 1.5e-3
     prefill_s_per_token: float = 4.07e-5
     decode_pass_s: float = 4.15e-3

@@ -24,6 +24,7 @@ from typing import Any
 
 from cachescout.policy import NATIVE_STATUS
 
+from .replay import DEFAULT_COST_PROFILE
 from .run import BenchOptions, run
 
 ALL_POLICIES = ("lru", "continuum", "kvflow", "cachescout", "cachescout-hints", "cachescout-hashonly", "belady")
@@ -315,24 +316,24 @@ def real_traffic_section(report: dict, intro: bool = True) -> str:
     policies = [x for x in args["policies"].split(",") if x]
     flags = " ".join(f"--{k.replace('_', '-')} {args[k]}" for k in ("closed", "open", "seeds", "targets",
                                                                     "policies", "jitters", "cpu_ratio", "cost_profile")
-                     if args.get(k) not in (None, "", 0, 0.0, "llama3.1-8b-h200"))
+                     if args.get(k) not in (None, "", 0, 0.0, DEFAULT_COST_PROFILE))
     command = f"python -m cachescout.bench.real_traffic --trace ../shared/traces/claude-code {flags}"
     tiers = (f"With LMCache's CPU tier at {args['cpu_ratio']:g}x the GPU cache: `hit` counts every tier."
              if args.get("cpu_ratio") else "GPU tier only.")
-    if args.get("cost_profile", "llama3.1-8b-h200") != "llama3.1-8b-h200":
+    if any(p.startswith("lru-knows-") for p in policies):
+        where = "with LMCache's CPU tier" if args.get("cpu_ratio") else "GPU tier only"
+        tiers = (f"What Belady's foresight is worth, part by part ({where}):"
+                 " `lru-knows-ends` is LRU told which sessions are over (they have made their last call),"
+                 " `lru-knows-dead` LRU told which blocks no later call uses (`bench/oracles.py`): their free"
+                 " blocks go first. What is left of Belady's gain above them is knowing when each"
+                 " conversation that is not over calls again.")
+    if args.get("cost_profile", DEFAULT_COST_PROFILE) != DEFAULT_COST_PROFILE:
         tiers += (f" Cost profile `{args['cost_profile']}`"
                   + (": prefill priced with attention's cost too, each prompt token by the tokens before it"
                      " (the other tables price every token the same), and each cache sized where LRU hits the"
                      " target on that timing. Calls take longer, so more of them overlap; in open loop, at the"
                      " recorded times, the mixes are more than one replica serves (LRU's mean TTFT runs to"
                      " minutes: a queue that grows through the run)." if "attention" in args["cost_profile"] else "."))
-    if any(p.startswith("lru-knows-") for p in policies):
-        where = "with LMCache's CPU tier" if args.get("cpu_ratio") else "GPU tier only"
-        tiers = (f"What Belady's foresight is worth, part by part ({where}):"
-                 " `lru-knows-ends` is LRU told which sessions are over (they have made their last call),"
-                  " `lru-knows-dead` LRU told which blocks no later call uses (`bench/oracles.py`): their free"
-                  " blocks go first. What is left of Belady's gain above them is knowing when each"
-                  " conversation that is not over calls again.")
     text = REAL_RUN_TEXT.format(tiers=tiers, command=command)
     if intro:
         text = REAL_TEXT.format(jitters=args["jitters"]) + "\n" + text

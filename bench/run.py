@@ -18,7 +18,7 @@ from cachescout.policy import NATIVE_STATUS, ExternalError, InputError, PolicyCo
 from .metrics import inference_accuracy
 from .policies import guard_gain, make_policy
 from .bound import belady_hits
-from .replay import CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys, blocks_needed
+from .replay import DEFAULT_COST_PROFILE, CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys, blocks_needed
 from .table import render
 from .sweep import CACHE_FACTORS, LOAD_FACTORS, SWEEP_POLICIES, cache_sweep, load_sweep, plot
 from .trace import TraceOptions, export_trace, load_trace
@@ -60,7 +60,7 @@ class BenchOptions:
     cpu_ratio: float = setting(
         0.0, "CPU tier as a multiple of each workload's GPU cache (instead of --cpu-blocks)", lo=0, hi=1e4)
     redis_ratio: float = setting(0.0, "Redis tier as a multiple of the GPU cache", lo=0, hi=1e4)
-    cost_profile: str = setting("llama3.1-8b-h200", "step-time and tier profile from bench/data/cost_profiles.json; "
+    cost_profile: str = setting(DEFAULT_COST_PROFILE, "step-time and tier profile from bench/data/cost_profiles.json; "
                                 "the policy's cost settings are taken from it too")
     policy_config: PolicyConfig = PolicyConfig()
     sweeps: bool = True                 # cache-size and load sweeps (for the plots)

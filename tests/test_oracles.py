@@ -80,7 +80,7 @@ def test_the_real_traffic_matrix_runs_them_and_its_section_says_what_they_know(t
     data = Path(__file__).parent / "data" / "claude-code"
     assert real_traffic.main(["--trace", str(data), "--closed", "4", "--open", "", "--seeds", "1", "--targets", "0.7",
                               "--jitters", "1", "--policies", "lru,lru-knows-ends,lru-knows-dead", "--jobs", "1",
-                              "--json", str(out)]) == 0
+                              "--cost-profile", "llama3.1-8b-h200-attention", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     (cell,) = report["cells"]
     assert set(cell["policies"]) == {"lru", "lru-knows-ends", "lru-knows-dead"}
@@ -89,3 +89,4 @@ def test_the_real_traffic_matrix_runs_them_and_its_section_says_what_they_know(t
     section = real_traffic_section(report, intro=False)
     assert "What Belady's foresight is worth, part by part (GPU tier only)" in section
     assert "`lru-knows-dead` LRU told which blocks no later call uses" in section
+    assert "priced with attention's cost too" in section   # the profile is said as well
