@@ -85,6 +85,7 @@ class CostProfile:
         """The policy's rebuild-cost settings (`PolicyConfig`) for this hardware: what an operator
         sets for their model and tiers, so the policy believes what the replay's clock does."""
         return {"kv_bytes_per_token": self.kv_bytes_per_token, "recompute_s_per_token": self.prefill_s_per_token,
+                "attention_s_per_token_context": self.attention_s_per_token_context,
                 "cpu_load_gbps": self.cpu_gbps, "cpu_load_latency_s": self.cpu_latency_s,
                 "redis_load_gbps": self.redis_gbps, "redis_load_latency_s": self.redis_latency_s}
 

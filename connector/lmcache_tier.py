@@ -211,9 +211,10 @@ class Prefetcher:
     """Copies chunks of predicted agents' anchors from Redis into the CPU tier, in the background."""
 
     def __init__(self, engine: Any, *, max_queue: int = 16, max_chunks: int = 64,
-                 worth_it: Callable[[int], bool] = lambda num_tokens: True) -> None:
-        """`engine`: an LMCacheEngine (post_init done). `worth_it(num_tokens)`: is loading that many
-        tokens from Redis faster than recomputing them (the cost model's answer)?"""
+                 worth_it: Callable[[int, int], bool] = lambda num_tokens, start: True) -> None:
+        """`engine`: an LMCacheEngine (post_init done). `worth_it(num_tokens, start)`: is loading
+        that many tokens from Redis, from prompt position `start` on, faster than recomputing them
+        (the cost model's answer)?"""
         self.engine = engine
         self.max_chunks = max_chunks
         self.worth_it = worth_it
@@ -289,16 +290,19 @@ class Prefetcher:
             self.stats["skipped_no_tier"] += 1
             return
         wanted: list[Any] = []
+        first = 0   # the first wanted chunk's first token: recomputing deeper tokens costs more
         for start, end, key in engine.token_database.process_tokens(torch.tensor(tokens), request_configs=configs):
             if len(wanted) >= self.max_chunks:
                 break
             if cpu.contains(key):
                 self.stats["already_in_cpu"] += 1
                 continue
+            if not wanted:
+                first = start
             wanted.append((end - start, key))
         if not wanted:
             return
-        if not self.worth_it(sum(n for n, _ in wanted)):
+        if not self.worth_it(sum(n for n, _ in wanted), first):
             self.stats["skipped_slower_than_recompute"] += 1
             return
         keys = [key for _, key in wanted]

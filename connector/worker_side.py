@@ -76,7 +76,7 @@ class WorkerSide:
         cost = RebuildCost(self.settings.policy)
         bs = self.settings.policy.block_size
         self.prefetcher = self._lmcache.Prefetcher(
-            engine, worth_it=lambda tokens: cost.worth_loading("cpu", max(1, tokens // bs)))
+            engine, worth_it=lambda tokens, start: cost.worth_loading("cpu", max(1, tokens // bs), start // bs))
         return self.prefetcher
 
     def counters(self) -> dict[str, Any] | None:

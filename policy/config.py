@@ -95,6 +95,9 @@ class PolicyConfig:
     kv_bytes_per_token: int = setting(131072, "KV-cache bytes per token of the served model", lo=1, hi=2**40)
     recompute_s_per_token: float = setting(
         4.07e-5, "seconds of prefill to recompute one token's KV", lo=0, lo_open=True)
+    attention_s_per_token_context: float = setting(
+        0.0, "seconds of attention to recompute one token's KV per token before it in the prompt "
+        "(0: a token costs the same at any depth)", lo=0)
     cpu_load_gbps: float = setting(25.0, "GB/s from the CPU tier into GPU memory", lo=0, lo_open=True)
     cpu_load_latency_s: float = setting(1e-4, "fixed seconds per CPU-tier load", lo=0)
     redis_load_gbps: float = setting(5.0, "GB/s from the Redis tier", lo=0, lo_open=True)

@@ -111,6 +111,7 @@ class _Live:
     obs: Observation
     started_at: float
     context: Group | None = None   # the group its context blocks go to (looked up once)
+    blocks: int = 0                # blocks it holds so far (prompt and output): the next one's position
 
 
 class CacheScoutPolicy:
@@ -126,7 +127,7 @@ class CacheScoutPolicy:
         self._traffic = Traffic()
         self._scorer = SurvivalScorer(cfg, self._chain, self._sessions, self._cost, self._traffic)
         self._planner = PrefetchPlanner(cfg, self._cost)
-        self._guard = LruGuard()
+        self._guard = LruGuard(per_depth=self._cost.per_depth)
         self._prefetched: dict[Hashable, None] = {}   # prefetched blocks not yet used or evicted
         self._prefetch_used = 0.0                      # decayed counts of those judged
         self._prefetch_judged = 0.0
@@ -397,12 +398,13 @@ class CacheScoutPolicy:
             self._guard.unwanted(*wanted, refresh=True)
         if num_cached:
             self._note_dead_hits(block_keys, num_cached)
+        n = len(block_keys)
         if live is None:
-            for key in block_keys[num_cached:]:
-                index.add(key)
+            for i in range(num_cached, n):
+                index.add(block_keys[i], None, i)
             index.acquire(block_keys[:num_cached])
             return
-        n = len(block_keys)
+        live.blocks = n
         pre, anc, ctx = self._groups_for(live.obs)
         live.context = ctx
         pre_end = min(live.obs.fingerprint.preamble_blocks, n) if pre is not None else 0
@@ -413,14 +415,16 @@ class CacheScoutPolicy:
             if lo >= hi or group is None:
                 continue
             hit_hi = min(hi, num_cached)
-            # Hits are usually filed already: check the span's ends before walking it.
+            # Hits are usually filed already: check the span's ends before walking it (a block
+            # prefetched from a lower tier came without its position).
             if lo < hit_hi:
                 b_lo, b_hi = index.block(block_keys[lo]), index.block(block_keys[hit_hi - 1])
-                if b_lo is None or b_hi is None or b_lo.group is not group or b_hi.group is not group:
-                    for key in block_keys[lo:hit_hi]:
-                        index.add(key, group)
-            for key in block_keys[max(lo, num_cached):hi]:
-                index.add(key, group)
+                if (b_lo is None or b_hi is None or b_lo.group is not group or b_hi.group is not group
+                        or b_hi.depth != hit_hi - 1):
+                    for i in range(lo, hit_hi):
+                        index.add(block_keys[i], group, i)
+            for i in range(max(lo, num_cached), hi):
+                index.add(block_keys[i], group, i)
         if self._wanted:
             self._keep_wanted(block_keys)
         index.acquire(block_keys[:num_cached])
@@ -437,8 +441,11 @@ class CacheScoutPolicy:
             if group is None:
                 group = live.context = self._groups_for(live.obs)[2]
         add = self._index.add
-        for key in block_keys:
-            add(key, group)
+        at = live.blocks if live is not None else 0
+        for i, key in enumerate(block_keys):
+            add(key, group, at + i)
+        if live is not None:
+            live.blocks = at + len(block_keys)
         self._guard.filled(block_keys)
         if live is not None and live.obs.agent is not None:
             keys = self._context_keys.get(live.obs.session, {}).get(live.obs.agent)

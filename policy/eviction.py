@@ -6,10 +6,13 @@ O(blocks). Inside a group, free blocks wait in an intrusive doubly-linked list i
 were freed (vLLM frees a request's blocks tail first, so a group loses its deepest blocks first).
 
 The next victim is the head of the group with the highest eviction key,
-    key = c * model + (1 - c) * log(age of the head + 1 ms),
+    key = c * model + (1 - c) * (log(age of the head + 1 ms) - lcost),
 where `model` is the log of the predicted time to next use (set by the scorer) and c in [0, 1] the
 confidence in it. With c = 0 everywhere the key orders heads by age, ties by free order: exactly
-vLLM's LRU free queue. Choosing victims reads state only; `evict` is the one call that mutates.
+vLLM's LRU free queue. `lcost` (0 unless the scorer prices blocks by depth) is the log of what
+losing the group's next victim costs: where attention's cost is priced a deep block's recompute is
+dearer, and LRU's order becomes age over that cost (the scorer folds the same cost into `model`).
+Choosing victims reads state only; `evict` is the one call that mutates.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def _key(g: Group, b: Block, now: float) -> float:
     """Block `b`'s eviction key at `now` (higher goes first). The loops that run once per block
     inline it."""
     c = g.conf
-    age = math.log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S)
+    age = math.log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S) - g.lcost
     return age if c <= 0.0 else c * g.model + (1.0 - c) * age
 
 
@@ -40,11 +43,12 @@ def _entry(g: Group, at: float, push: int) -> _Entry:
 class Block:
     """One cached block known to the index. Linked into its group's free list while free."""
 
-    __slots__ = ("key", "group", "seq", "freed_at", "free", "backed", "prev", "next", "gprev", "gnext")
+    __slots__ = ("key", "group", "depth", "seq", "freed_at", "free", "backed", "prev", "next", "gprev", "gnext")
 
-    def __init__(self, key: Hashable, group: Group) -> None:
+    def __init__(self, key: Hashable, group: Group, depth: int = 0) -> None:
         self.key = key
         self.group = group
+        self.depth = depth    # its position in the prompts that hold it (0 first; what recomputing it costs)
         self.seq = 0          # global free order: lower was freed earlier
         self.freed_at = 0.0
         self.free = False
@@ -59,7 +63,7 @@ class Group:
     """Blocks that share one score. `model` and `conf` are written by the scorer."""
 
     __slots__ = ("gid", "kind", "agent", "session", "parent", "head", "tail", "n_free",
-                 "n_backed_free", "n_blocks", "model", "conf", "stamp")
+                 "n_backed_free", "n_blocks", "model", "conf", "lcost", "stamp")
 
     def __init__(self, gid: Hashable, kind: str, agent: str | None = None, session: Hashable | None = None,
                  parent: Group | None = None) -> None:
@@ -75,6 +79,7 @@ class Group:
         self.n_blocks = 0
         self.model = 0.0
         self.conf = 0.0
+        self.lcost = 0.0    # log of what losing its next victim costs, where that differs by group
         self.stamp = 0
 
     def free_blocks(self) -> Iterator[Block]:
@@ -228,15 +233,19 @@ class EvictionIndex:
     def block(self, key: Hashable) -> Block | None:
         return self._blocks.get(key)
 
-    def add(self, key: Hashable, group: Group | None = None) -> Block:
-        """Track a newly cached block (in use, not free). Re-adding moves it to `group`."""
+    def add(self, key: Hashable, group: Group | None = None, depth: int = 0) -> Block:
+        """Track a newly cached block (in use, not free) at prompt position `depth`. Re-adding
+        moves it to `group` (and sets a depth that was not known)."""
         b = self._blocks.get(key)
         if b is None:
             g = group or self.default_group
-            b = self._blocks[key] = Block(key, g)
+            b = self._blocks[key] = Block(key, g, depth)
             g.n_blocks += 1
-        elif group is not None and b.group is not group:
-            self.assign(b, group)
+        else:
+            if group is not None and b.group is not group:
+                self.assign(b, group)
+            if depth > b.depth:
+                b.depth = depth
         return b
 
     def assign(self, b: Block, group: Group) -> None:
@@ -351,7 +360,7 @@ class EvictionIndex:
             # The key is `_key`'s, inlined: this loop runs once per victim.
             g = b.group
             c = g.conf
-            cm, w = c * g.model, 1.0 - c
+            cm, w, lc = c * g.model, 1.0 - c, g.lcost
             nxt = b.next
             top_key, top_seq = (heap[0].neg, heap[0].seq) if heap else (math.inf, 0)
             if nxt is not None:
@@ -367,7 +376,7 @@ class EvictionIndex:
                     continue
             while nxt is not None and len(out) < n:
                 age = log(max(now - nxt.freed_at, 0.0) + _AGE_FLOOR_S)
-                neg = -age if c <= 0.0 else -(cm + w * age)
+                neg = -(age - lc) if c <= 0.0 else -(cm + w * (age - lc))
                 if neg > top_key or (neg == top_key and nxt.seq > top_seq):
                     pushes += 1
                     _heap_push(heap, _Entry(neg, nxt.seq, pushes, nxt, g, g.stamp))
@@ -413,7 +422,7 @@ class EvictionIndex:
             # bound, unlinking each: one heap operation per run, not per block.
             g = b.group
             c = g.conf
-            cm, w = c * g.model, 1.0 - c
+            cm, w, lc = c * g.model, 1.0 - c, g.lcost
             while heap and heap[0].group.stamp != heap[0].stamp:
                 _heap_pop(heap)   # stale: its group's head changed since
             top_key, top_seq = (heap[0].neg, heap[0].seq) if heap else (math.inf, 0)
@@ -436,7 +445,7 @@ class EvictionIndex:
                     break
                 if not whole:
                     age = log(max(now - nxt.freed_at, 0.0) + _AGE_FLOOR_S)
-                    neg = -age if c <= 0.0 else -(cm + w * age)
+                    neg = -(age - lc) if c <= 0.0 else -(cm + w * (age - lc))
                     if neg > top_key or (neg == top_key and nxt.seq > top_seq):
                         break
                 b = nxt

@@ -13,7 +13,9 @@ many sampled blocks the real cache happens to hold. Held to LRU's order, the rea
 shadow then hold the same sampled blocks.
 Over windows of sampled accesses (2048, or 256 requests' worth), the real cache's hits on the same
 sampled blocks (those within the prefix it really hit) are compared with the shadow's: that
-difference is CacheScout's measured gain over plain LRU.
+difference is CacheScout's measured gain over plain LRU. Where attention's cost is priced
+(`per_depth`), each sampled block weighs what recomputing it costs at its position in the prompt:
+the comparison is of seconds saved, the measure the scorer weighs its order by.
 
 A sampled shadow is an estimate, and on traffic whose prompts are a few long conversations (every
 request hits or misses hundreds of sampled blocks together) a noisy one; where requests have few
@@ -110,8 +112,11 @@ class _FreeOrder:
 
 
 class LruGuard:
-    def __init__(self, sample: int = SAMPLE) -> None:
+    def __init__(self, sample: int = SAMPLE, per_depth: float = 0.0) -> None:
         self.sample = sample          # one block in `sample` (by key hash) is simulated
+        # Hits are compared by what they save: a block at prompt position i weighs 1 + per_depth * i
+        # (its recompute, where attention is priced: `RebuildCost.depth_factor`), else 1.
+        self.per_depth = per_depth
         self._held: set[Hashable] = set()                  # sampled blocks in use: never evicted
         self._free = _FreeOrder()         # sampled free blocks, LRU first
         # Sampled blocks a queued request will hit (how many want each), and those of them that are
@@ -125,6 +130,7 @@ class LruGuard:
         self._ours = 0                # hits of the real cache on sampled accesses, this window
         self._lru = 0                 # hits of the shadow LRU, this window
         self._seen = 0                # sampled accesses, this window
+        self._w_ours = self._w_lru = self._w_seen = 0.0   # ... the same, each weighed by its depth
         # Every comparison so far, counted as it is made (windows closed or not): the real cache's
         # hits and the shadow's among the sampled accesses compared.
         self.compared = 0
@@ -156,6 +162,7 @@ class LruGuard:
             self._wanted_free.clear()
             self._resident.clear()
             self._ours = self._lru = self._seen = self._requests = 0
+            self._w_ours = self._w_lru = self._w_seen = 0.0
 
     def accessed(self, keys: Sequence[Hashable], num_cached: int, hittable: int | None = None) -> None:
         """A request's prompt blocks in order (now all in the real cache, held), and how many
@@ -168,6 +175,7 @@ class LruGuard:
         sample = self.sample
         seen, ours, lru = self._seen, self._ours, self._lru
         compared = len(keys) if hittable is None else hittable
+        per_depth = self.per_depth
         for i in range(len(keys)):
             key = keys[i]
             if hash(key) % sample:
@@ -179,6 +187,12 @@ class LruGuard:
                 self._seen += 1
                 self._lru += prefix_lru
                 self._ours += i < num_cached
+                w = 1.0 + per_depth * i
+                self._w_seen += w
+                if prefix_lru:
+                    self._w_lru += w
+                if i < num_cached:
+                    self._w_ours += w
             held.add(key)
         if self._seen > seen:
             self._requests += 1
@@ -282,9 +296,10 @@ class LruGuard:
             wanted_free.pop_oldest()
 
     def _close_window(self) -> None:
-        delta = (self._ours - self._lru) / self._seen
+        delta = (self._w_ours - self._w_lru) / self._w_seen
         self.windows = (self.windows + [delta])[-64:]
         self._ours = self._lru = self._seen = self._requests = 0
+        self._w_ours = self._w_lru = self._w_seen = 0.0
         if self.trust == 0.0:
             self.lru_windows += 1
             # The real cache follows LRU's order here: the difference is the shadow's own error,

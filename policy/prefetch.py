@@ -65,26 +65,30 @@ class PrefetchPlanner:
         for cand in ranked:
             to_gpu: list[Hashable] = []
             to_cpu: list[Hashable] = []
-            for key in cand.anchor_keys:
+            at_gpu: list[int] = []    # their prompt positions (what recomputing them costs)
+            at_cpu: list[int] = []
+            for i, key in enumerate(cand.anchor_keys):
                 where = locate(key)
                 if where is None:
                     break  # a prefix hit cannot reach past a block that is nowhere
                 if where == "cpu":
                     to_gpu.append(key)
+                    at_gpu.append(i)
                 elif where == "redis":
                     to_cpu.append(key)
-            for src, dst, keys in (("cpu", "gpu", to_gpu), ("redis", "cpu", to_cpu)):
+                    at_cpu.append(i)
+            for src, dst, keys, at in (("cpu", "gpu", to_gpu, at_gpu), ("redis", "cpu", to_cpu, at_cpu)):
                 if not keys or len(actions) >= cfg.prefetch_max_actions:
                     continue
                 size = len(keys) * block_bytes
                 # What must beat recomputing is the load the request will wait for: CPU -> GPU
                 # (a Redis -> CPU prefetch runs in the background, ahead of the request).
-                if size > budget or not self.cost.worth_loading("cpu", len(keys)):
+                recompute = self.cost.recompute_blocks_s(at)
+                if size > budget or self.cost.load_s("cpu", len(keys)) >= recompute:
                     continue
                 budget -= size
                 actions.append(PrefetchAction(cand.agent, cand.session, src, dst, tuple(keys), cand.probability, size,
-                                              self.cost.load_s(src, len(keys)),
-                                              len(keys) * self.cost.recompute_s))
+                                              self.cost.load_s(src, len(keys)), recompute))
             if len(actions) >= cfg.prefetch_max_actions:
                 break
         return actions

@@ -242,3 +242,27 @@ def test_requests_with_few_blocks_are_sampled_densely():
     assert g.sample == 2
     g.resample(1000.0)         # never sparser than it was
     assert g.sample == 2
+
+
+def _shallow_for_deep(guard: LruGuard, windows: int) -> None:
+    """Pairs of requests: a short prompt (8 blocks) the shadow hits and our cache misses, and a long
+    one (64 blocks) our cache hits whole while the shadow misses its last 4: more hits for LRU, but
+    deeper ones for our order."""
+    for _ in range(windows * (guard_mod._WINDOW // 72 + 1)):   # a window closes every 29 pairs
+        short, long = _sampled_keys(8), _sampled_keys(64)
+        for keys, shadow_holds, ours in ((short, short, 0), (long, long[:60], 64)):
+            for key in shadow_holds:
+                guard._free.add(key, 0)
+            guard.accessed(keys, ours)
+            guard.released(keys)
+
+
+def test_where_depth_is_priced_the_guard_compares_what_hits_save():
+    by_count = LruGuard()
+    _shallow_for_deep(by_count, 2)
+    assert by_count.cuts == 1 and by_count.windows[0] < 0              # 4 more hits of 72 for LRU
+    by_cost = LruGuard(per_depth=1.0)    # a block at position i costs 1 + i to recompute
+    _shallow_for_deep(by_cost, 2)
+    # LRU's 8 shallow hits save 36 block-recomputes, ours' 4 deep ones 250.
+    assert by_cost.cuts == 0 and len(by_cost.windows) == 2 and all(w > 0 for w in by_cost.windows)
+    assert by_cost.counters()["guard_hits"] < by_cost.counters()["guard_lru_hits"]   # counts stay counts

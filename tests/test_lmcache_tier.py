@@ -185,7 +185,7 @@ def test_prefetch_respects_the_cost_model_and_its_queue(redis_server, agents):
     coder, _, _ = agents
     engine = build_engine(redis_server.url, "lru")
     store_in_order(engine, agents)
-    slow = Prefetcher(engine, worth_it=lambda tokens: False)
+    slow = Prefetcher(engine, worth_it=lambda tokens, start: False)
     try:
         slow.submit(coder.tokens.tolist(), {"agent": "coder"})
         assert slow.wait_idle(20)

@@ -1,4 +1,5 @@
 import dataclasses
+import math
 import random
 from collections import OrderedDict
 
@@ -355,3 +356,42 @@ def test_an_idle_session_is_due_sooner_the_longer_it_waited_only_where_waits_are
 
     ratio = due_in(0.5) / due_in(9.0)
     assert ratio > 5.0 if inverted else ratio < 2.5
+
+
+def _contexts_by_depth(attention: float) -> dict[int, tuple[float, float, int]]:
+    """Two sessions of agent X that call at the same times, one with a short context (2 blocks after
+    the anchor), one with a long one (300 blocks): their context groups' (model, conf, next
+    victim's depth) once both are idle, with `attention_s_per_token_context` as given."""
+    policy = CacheScoutPolicy(PolicyConfig(min_confidence=0.0, attention_s_per_token_context=attention),
+                              clock=lambda: 0.0)
+    x = anchor("X", 4)
+    cached: set = set()
+    sessions = {}
+    for t in range(6):
+        for length in (2, 300):
+            keys = chain(x + [("ctx", length, i) for i in range(length + t)])
+            rid = (length, t)
+            obs = policy.observe(rid, keys, hints=Hints(agent="X", session=f"s{length}"), now=10.0 * t)
+            sessions[length] = obs.session
+            hit = next((k for k, key in enumerate(keys) if key not in cached), len(keys))
+            policy.blocks_reused(keys[:hit])
+            policy.admit_blocks(rid, keys, hit)
+            cached.update(keys)
+            policy.finish(rid, now=10.0 * t + 1.0)
+            policy.blocks_freed(list(reversed(keys)), now=10.0 * t + 1.0)
+    policy.victims(1, now=60.0)
+    groups = {g.session: g for g in policy.inspect().index.groups() if g.kind == "context"}
+    return {n: (groups[s].model, groups[s].conf, groups[s].head.depth) for n, s in sessions.items()}
+
+
+def test_where_attention_is_priced_a_deep_context_is_kept_by_what_its_recompute_costs():
+    flat, priced = _contexts_by_depth(0.0), _contexts_by_depth(1.33e-9)
+    cost = CacheScoutPolicy(PolicyConfig(attention_s_per_token_context=1.33e-9)).inspect().cost
+    assert flat[300][2] == 4 + 305 - 1     # the next victim: the last call's deepest block
+    for n in (2, 300):
+        model, conf, depth = priced[n]
+        assert conf > 0 and conf == flat[n][1]
+        # Used as often, lost at a dearer recompute: scored as if used that many times more often.
+        assert model == pytest.approx(flat[n][0] - math.log(cost.depth_factor(depth)))
+    assert flat[2][0] == pytest.approx(flat[300][0])     # depth-blind: one score for both
+    assert priced[300][0] < priced[2][0]                  # priced: the deep one goes later

@@ -382,3 +382,20 @@ def test_the_attention_term_prices_each_prompt_token_by_the_context_before_it():
     flat = dataclasses.replace(slow, attention_s_per_token_context=0.0)
     assert not flat.worth_loading("cpu", 8, 512, start_block=300)
     assert CostProfile.named("llama3.1-8b-h200-attention").attention_s_per_token_context > 0
+
+
+@pytest.mark.parametrize("block", [0, 1, 37, 4000])
+def test_the_policy_prices_a_blocks_recompute_at_its_depth_as_the_replay_does(block):
+    from cachescout.policy.costs import RebuildCost
+
+    profile = CostProfile.named("llama3.1-8b-h200-attention")
+    cost = RebuildCost(PolicyConfig(block_size=64, **profile.policy_settings()))
+    assert cost.depth_factor(block) * cost.recompute_s == pytest.approx(profile.prefill_s(block * 64, 64))
+    assert cost.recompute_blocks_s(range(block, block + 9)) == pytest.approx(profile.prefill_s(block * 64, 9 * 64))
+    for blocks in (1, 8, 200):
+        assert (cost.worth_loading("cpu", blocks, block)
+                == profile.worth_loading("cpu", blocks, 64, start_block=block))
+    if block:   # deeper than the first block: dearer, where attention is priced only
+        assert cost.depth_factor(block) > cost.depth_factor(0)
+        flat = RebuildCost(PolicyConfig(block_size=64, **CostProfile().policy_settings()))
+        assert flat.depth_factor(block) == flat.depth_factor(0) == 1.0
