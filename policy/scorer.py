@@ -304,7 +304,8 @@ class SurvivalScorer:
             # start of a prompt: more where attention makes deep blocks dearer, less where a lower
             # tier holds copies (a load, where that is cheaper). A group used at `rate` goes as if
             # used that many times more (or less) often; where depth is priced, its LRU age counts
-            # that much less too (`lcost`: a cost is known, not predicted).
+            # that much less too (`lcost`), as far as the guard trusts the order (it compares
+            # what each order saves: at trust 0 the cache is plain LRU again, its control).
             loss = 1.0
             if depth_priced:
                 head = g.head
@@ -313,7 +314,7 @@ class SurvivalScorer:
             if g.n_free and g.n_backed_free and load_value < loss:
                 loss -= (g.n_backed_free / g.n_free) * (loss - load_value)
             if depth_priced:
-                g.lcost = math.log(loss) if kind != "wanted" else 0.0
+                g.lcost = trust * math.log(loss) if kind != "wanted" else 0.0
             if kind == "context":
                 agent = g.agent
                 ses = session_of(g.session)
