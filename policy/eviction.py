@@ -6,13 +6,10 @@ O(blocks). Inside a group, free blocks wait in an intrusive doubly-linked list i
 were freed (vLLM frees a request's blocks tail first, so a group loses its deepest blocks first).
 
 The next victim is the head of the group with the highest eviction key,
-    key = c * model + (1 - c) * (log(age of the head + 1 ms) - lcost),
+    key = c * model + (1 - c) * log(age of the head + 1 ms),
 where `model` is the log of the predicted time to next use (set by the scorer) and c in [0, 1] the
 confidence in it. With c = 0 everywhere the key orders heads by age, ties by free order: exactly
-vLLM's LRU free queue. `lcost` (0 unless the scorer prices blocks by depth) is the log of what
-losing the group's next victim costs: where attention's cost is priced a deep block's recompute is
-dearer, and LRU's order becomes age over that cost (the scorer folds the same cost into `model`).
-Choosing victims reads state only; `evict` is the one call that mutates.
+vLLM's LRU free queue. Choosing victims reads state only; `evict` is the one call that mutates.
 """
 
 from __future__ import annotations
@@ -29,7 +26,7 @@ def _key(g: Group, b: Block, now: float) -> float:
     """Block `b`'s eviction key at `now` (higher goes first). The loops that run once per block
     inline it."""
     c = g.conf
-    age = math.log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S) - g.lcost
+    age = math.log(max(now - b.freed_at, 0.0) + _AGE_FLOOR_S)
     return age if c <= 0.0 else c * g.model + (1.0 - c) * age
 
 
@@ -63,7 +60,7 @@ class Group:
     """Blocks that share one score. `model` and `conf` are written by the scorer."""
 
     __slots__ = ("gid", "kind", "agent", "session", "parent", "head", "tail", "n_free",
-                 "n_backed_free", "n_blocks", "model", "conf", "lcost", "stamp")
+                 "n_backed_free", "n_blocks", "model", "conf", "stamp")
 
     def __init__(self, gid: Hashable, kind: str, agent: str | None = None, session: Hashable | None = None,
                  parent: Group | None = None) -> None:
@@ -79,7 +76,6 @@ class Group:
         self.n_blocks = 0
         self.model = 0.0
         self.conf = 0.0
-        self.lcost = 0.0    # log of what losing its next victim costs, where that differs by group
         self.stamp = 0
 
     def free_blocks(self) -> Iterator[Block]:
@@ -360,7 +356,7 @@ class EvictionIndex:
             # The key is `_key`'s, inlined: this loop runs once per victim.
             g = b.group
             c = g.conf
-            cm, w, lc = c * g.model, 1.0 - c, g.lcost
+            cm, w = c * g.model, 1.0 - c
             nxt = b.next
             top_key, top_seq = (heap[0].neg, heap[0].seq) if heap else (math.inf, 0)
             if nxt is not None:
@@ -376,7 +372,7 @@ class EvictionIndex:
                     continue
             while nxt is not None and len(out) < n:
                 age = log(max(now - nxt.freed_at, 0.0) + _AGE_FLOOR_S)
-                neg = -(age - lc) if c <= 0.0 else -(cm + w * (age - lc))
+                neg = -age if c <= 0.0 else -(cm + w * age)
                 if neg > top_key or (neg == top_key and nxt.seq > top_seq):
                     pushes += 1
                     _heap_push(heap, _Entry(neg, nxt.seq, pushes, nxt, g, g.stamp))
@@ -422,7 +418,7 @@ class EvictionIndex:
             # bound, unlinking each: one heap operation per run, not per block.
             g = b.group
             c = g.conf
-            cm, w, lc = c * g.model, 1.0 - c, g.lcost
+            cm, w = c * g.model, 1.0 - c
             while heap and heap[0].group.stamp != heap[0].stamp:
                 _heap_pop(heap)   # stale: its group's head changed since
             top_key, top_seq = (heap[0].neg, heap[0].seq) if heap else (math.inf, 0)
@@ -445,7 +441,7 @@ class EvictionIndex:
                     break
                 if not whole:
                     age = log(max(now - nxt.freed_at, 0.0) + _AGE_FLOOR_S)
-                    neg = -(age - lc) if c <= 0.0 else -(cm + w * (age - lc))
+                    neg = -age if c <= 0.0 else -(cm + w * age)
                     if neg > top_key or (neg == top_key and nxt.seq > top_seq):
                         break
                 b = nxt

@@ -13,10 +13,10 @@ time it has idled already, as LRU would judge it. So each session
 gives each agent a use rate, P(use) / expected time to it; an agent's anchor is used at the sum of
 those rates over live sessions plus the sessions expected to arrive, a session's context under an
 agent only at that session's rate. A group's predicted time to next use is 1 / rate, weighed by
-what losing its next victim costs: shorter for a block deep in a long prompt where attention's cost
-is priced (recomputing it costs more), longer when a lower tier holds a copy (a load, not a recompute). The eviction
-index blends the log of that time with the log of the group's LRU age by the confidence of the rows
-involved, so an empty or unpredictable chain gives exactly LRU.
+what losing its next victim costs: shorter for a block deep in a long prompt where attention's
+cost is priced (recomputing it costs more), longer when a lower tier holds a copy (a load, not a
+recompute). The eviction index blends the log of that time with the log of the group's LRU age by
+the confidence of the rows involved, so an empty or unpredictable chain gives exactly LRU.
 """
 
 from __future__ import annotations
@@ -64,28 +64,22 @@ def _protect(parent: Group, child: Group, now: float) -> None:
     """Give `parent` its child's score where that keeps it longer. Compared by eviction key (see
     eviction.py) at the age of the parent's free head, so that a child on plain LRU order
     (confidence 0, its `model` meaningless) protects its prefix as LRU would, and a confident child
-    by its prediction: evicting a prefix before what follows it wastes both (where losing a
-    block's recompute is priced by depth, the child's dearer cost comes with its score)."""
+    by its prediction: evicting a prefix before what follows it wastes both."""
     head = parent.head
     if head is None:     # nothing of it is free now: keep the nearer prediction for later
         if child.model < parent.model:
             parent.model = child.model
-        if child.lcost > parent.lcost:
-            parent.lcost = child.lcost
         return
-    log_age = math.log(max(now - head.freed_at, 0.0) + 1e-3)
+    age = math.log(max(now - head.freed_at, 0.0) + 1e-3)
     pc, cc = parent.conf, child.conf
-    age = log_age - parent.lcost
     if pc <= 0.0:
         parent_key = age
     elif parent.model == math.inf:
         parent_key = math.inf
     else:
         parent_key = pc * parent.model + (1.0 - pc) * age
-    age = log_age - child.lcost
     child_key = age if cc <= 0.0 else cc * child.model + (1.0 - cc) * age
     if child_key < parent_key:
-        parent.lcost = child.lcost
         if cc > 0.0:
             parent.model, parent.conf = child.model, cc
         else:
@@ -300,21 +294,6 @@ class SurvivalScorer:
         session_of = self._sessions.get
         for g in free_groups:
             kind = g.kind
-            # What losing the group's next victim costs, relative to recomputing a block at the
-            # start of a prompt: more where attention makes deep blocks dearer, less where a lower
-            # tier holds copies (a load, where that is cheaper). A group used at `rate` goes as if
-            # used that many times more (or less) often; where depth is priced, its LRU age counts
-            # that much less too (`lcost`), as far as the guard trusts the order (it compares
-            # what each order saves: at trust 0 the cache is plain LRU again, its control).
-            loss = 1.0
-            if depth_priced:
-                head = g.head
-                if head is not None:
-                    loss = cost.depth_factor(head.depth)
-            if g.n_free and g.n_backed_free and load_value < loss:
-                loss -= (g.n_backed_free / g.n_free) * (loss - load_value)
-            if depth_priced:
-                g.lcost = trust * math.log(loss) if kind != "wanted" else 0.0
             if kind == "context":
                 agent = g.agent
                 ses = session_of(g.session)
@@ -376,6 +355,20 @@ class SurvivalScorer:
             else:
                 g.model, g.conf = 0.0, 0.0
                 continue
+            # What losing the group's next victim costs, relative to recomputing a block at the
+            # start of a prompt: more where attention makes deep blocks dearer, less where a lower
+            # tier holds copies (a load, where that is cheaper). A group used at `rate` goes as if
+            # used that many times more (or less) often. This prices predictions only: where
+            # there is none (conf 0) the order stays LRU's. (LRU's order by age over that cost was
+            # measured and left out: on the Claude Code mixes it put more cells above LRU's TTFT;
+            # see docs/policy.md, known limits.)
+            loss = 1.0
+            if depth_priced:
+                head = g.head
+                if head is not None:
+                    loss = cost.depth_factor(head.depth)
+            if g.n_free and g.n_backed_free and load_value < loss:
+                loss -= (g.n_backed_free / g.n_free) * (loss - load_value)
             rate *= loss
             g.model = -math.log(rate) if rate > _RATE_FLOOR else floor
             g.conf = conf * trust
