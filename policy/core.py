@@ -420,7 +420,7 @@ class CacheScoutPolicy:
             if lo < hit_hi:
                 b_lo, b_hi = index.block(block_keys[lo]), index.block(block_keys[hit_hi - 1])
                 if (b_lo is None or b_hi is None or b_lo.group is not group or b_hi.group is not group
-                        or b_hi.depth != hit_hi - 1):
+                        or b_hi.depth < hit_hi - 1):
                     for i in range(lo, hit_hi):
                         index.add(block_keys[i], group, i)
             for i in range(max(lo, num_cached), hi):
