@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, Final
 
@@ -42,6 +42,7 @@ _PREFETCH_MIN_PRECISION: Final = 0.5
 _PREFETCH_PROBE: Final = 64
 _PREFETCH_PENDING_MAX: Final = 1 << 16
 _WANTED_STEP: Final = 1e-9    # `model` between the groups of two requests queued one after the other
+_SPENT_MEMORY: Final = 1 << 16  # evicted spent blocks remembered, to count those computed again
 
 
 def _free_order(b: Block) -> int:
@@ -146,6 +147,8 @@ class CacheScoutPolicy:
         # Session -> agent -> block keys of its latest prompt (and output) under that agent: what
         # its next call to that agent reuses, for context prefetch.
         self._context_keys: dict[Hashable, dict[str, list]] = {}
+        # Spent blocks evicted lately (oldest first): one computed again was used after all.
+        self._spent_gone: OrderedDict[Hashable, None] = OrderedDict()
         self._max_pending = max_pending
         self._prompt_blocks = 0    # blocks and requests admitted, until the guard's sampling is set
         self._admitted = 0
@@ -277,6 +280,7 @@ class CacheScoutPolicy:
             g = self._index.get_group(("ctx", s.sid, agent))
             if g is not None:
                 blocks += g.n_blocks
+                g.last_call = None   # no next call to compare with
         if blocks:
             self._traffic.contexts_expired(blocks)
 
@@ -399,17 +403,27 @@ class CacheScoutPolicy:
         if num_cached:
             self._note_dead_hits(block_keys, num_cached)
         n = len(block_keys)
+        gone = self._spent_gone
+        used_spent = 0
         if live is None:
             for i in range(num_cached, n):
-                index.add(block_keys[i], None, i)
-            index.acquire(block_keys[:num_cached])
+                key = block_keys[i]
+                if gone and key in gone:
+                    del gone[key]
+                    used_spent += 1
+                index.add(key, None, i)
+            used_spent += index.acquire(block_keys[:num_cached])
+            if used_spent:
+                self._traffic.spent_used(used_spent)
             return
-        live.blocks = n
         pre, anc, ctx = self._groups_for(live.obs)
-        live.context = ctx
         pre_end = min(live.obs.fingerprint.preamble_blocks, n) if pre is not None else 0
         anc_end = min(live.obs.fingerprint.anchor_blocks, n) if anc is not None else pre_end
         anc_end = max(anc_end, pre_end)
+        if not live.blocks:   # not again after a preemption: its own blocks are no earlier call's
+            self._spend(ctx, block_keys, anc_end)
+        live.blocks = n
+        live.context = ctx
         spans = ((0, pre_end, pre), (pre_end, anc_end, anc), (anc_end, n, ctx))
         for lo, hi, group in spans:
             if lo >= hi or group is None:
@@ -424,26 +438,42 @@ class CacheScoutPolicy:
                     for i in range(lo, hit_hi):
                         index.add(block_keys[i], group, i)
             for i in range(max(lo, num_cached), hi):
-                index.add(block_keys[i], group, i)
+                key = block_keys[i]
+                if gone and key in gone:
+                    del gone[key]
+                    used_spent += 1
+                index.add(key, group, i)
+        ctx.last_call = list(block_keys)
+        ctx.last_prompt = n
         if self._wanted:
             self._keep_wanted(block_keys)
-        index.acquire(block_keys[:num_cached])
+        used_spent += index.acquire(block_keys[:num_cached])
+        if used_spent:
+            self._traffic.spent_used(used_spent)
         if live.obs.agent is not None:
             contexts = self._context_keys.setdefault(live.obs.session, {})
             contexts[live.obs.agent] = list(block_keys)
 
     def extend_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable]) -> None:
-        """Blocks the request filled while decoding (its output): filed with its context."""
+        """Blocks the request filled while decoding (its output): filed with its context, or as
+        spent where contexts' next calls have been seen not to carry their outputs."""
         live = self._live.get(request_id)
         group = None
         if live is not None:
             group = live.context
             if group is None:
                 group = live.context = self._groups_for(live.obs)[2]
+            if group.last_call is not None:
+                group.last_call.extend(block_keys)
+        home = group
+        spent = group is not None and self._traffic.outputs_carried() is False
+        if spent:
+            home = self._index.spent_group
+            self._traffic.blocks_spent(len(block_keys))
         add = self._index.add
         at = live.blocks if live is not None else 0
         for i, key in enumerate(block_keys):
-            add(key, group, at + i)
+            add(key, home, at + i).spent = spent
         if live is not None:
             live.blocks = at + len(block_keys)
         self._guard.filled(block_keys)
@@ -451,6 +481,59 @@ class CacheScoutPolicy:
             keys = self._context_keys.get(live.obs.session, {}).get(live.obs.agent)
             if keys is not None:
                 keys.extend(block_keys)
+
+    def _spend(self, ctx: Group, block_keys: Sequence[Hashable], start: int) -> None:
+        """A call of context `ctx` holds `block_keys`: the blocks of the context's previous call
+        that it left out (past where the two prompts part: an edited, compacted or rewound
+        conversation, an output that came back re-rendered) are spent. Where under half of the
+        spent blocks counted so far were used again after all, they go to the spent group, scored
+        by that share (usually about none: then they leave before anything still in use); where
+        more come back, they stay with their context and its prediction, and are only counted.
+        Only where the call goes on with the context: it shares a block past `start` (where its
+        context begins) with the previous call; a call that shares no more than the anchor is
+        another conversation taken for this session (content matched wrongly), or one started
+        afresh, and tells nothing of what the previous call left. Also measures whether a call
+        carries its previous call's output as it was generated (whose blocks then hit)."""
+        prev = ctx.last_call
+        if prev is None:
+            return
+        # Where the prompts part: chained keys agree at position i only if they agree before it.
+        lo, hi = 0, min(len(prev), len(block_keys))
+        while lo < hi:
+            mid = (lo + hi + 1) >> 1
+            if prev[mid - 1] == block_keys[mid - 1]:
+                lo = mid
+            else:
+                hi = mid - 1
+        parted = lo
+        if parted <= start:
+            return
+        if len(prev) > ctx.last_prompt:
+            self._traffic.outputs_checked(len(prev) - ctx.last_prompt, max(0, parted - ctx.last_prompt))
+        index = self._index
+        apart = self._traffic.spent_set_apart()
+        spent = index.spent_group
+        left = 0
+        for i in range(parted, len(prev)):
+            b = index.block(prev[i])
+            if b is not None and b.group is ctx and not b.spent:
+                b.spent = True
+                if apart:
+                    index.assign(b, spent)
+                left += 1
+        if left:
+            self._traffic.blocks_spent(left)
+
+    def _note_spent_evicted(self) -> None:
+        evicted = self._index.spent_evicted
+        if not evicted:
+            return
+        gone = self._spent_gone
+        for key in evicted:
+            gone[key] = None
+        evicted.clear()
+        while len(gone) > _SPENT_MEMORY:
+            gone.popitem(last=False)
 
     def _groups_for(self, obs: Observation) -> tuple[Group | None, Group | None, Group]:
         fp = obs.fingerprint
@@ -503,7 +586,9 @@ class CacheScoutPolicy:
 
     def blocks_reused(self, keys: Sequence[Hashable]) -> None:
         """Free cached blocks a request hit: no longer evictable."""
-        self._index.acquire(keys)
+        spent = self._index.acquire(keys)
+        if spent:
+            self._traffic.spent_used(spent)
         if self._prefetched:
             self._judge_prefetch(keys, True)
 
@@ -516,6 +601,7 @@ class CacheScoutPolicy:
     def blocks_evicted(self, keys: Sequence[Hashable]) -> None:
         for key in keys:
             self._index.discard(key)
+        self._note_spent_evicted()
         self._guard.evicted(keys)
         if self._prefetched:
             self._judge_prefetch(keys, False)
@@ -536,6 +622,7 @@ class CacheScoutPolicy:
         now = self.clock() if now is None else now
         self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
         out = self._index.evict(n, now)
+        self._note_spent_evicted()
         self._guard.evicted(out)
         if self._prefetched:
             self._judge_prefetch(out, False)

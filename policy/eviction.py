@@ -40,7 +40,8 @@ def _entry(g: Group, at: float, push: int) -> _Entry:
 class Block:
     """One cached block known to the index. Linked into its group's free list while free."""
 
-    __slots__ = ("key", "group", "depth", "seq", "freed_at", "free", "backed", "prev", "next", "gprev", "gnext")
+    __slots__ = ("key", "group", "depth", "seq", "freed_at", "free", "backed", "spent", "prev", "next", "gprev",
+                 "gnext")
 
     def __init__(self, key: Hashable, group: Group, depth: int = 0) -> None:
         self.key = key
@@ -50,6 +51,7 @@ class Block:
         self.freed_at = 0.0
         self.free = False
         self.backed = False   # a copy lives in a lower tier (cheaper to bring back than recompute)
+        self.spent = False    # its context's later call left it out (core.py `_spend`), not used since
         self.prev: Block | None = None   # within the group's free list
         self.next: Block | None = None
         self.gprev: Block | None = None  # within the global free order (what LRU would evict)
@@ -60,7 +62,7 @@ class Group:
     """Blocks that share one score. `model` and `conf` are written by the scorer."""
 
     __slots__ = ("gid", "kind", "agent", "session", "parent", "head", "tail", "n_free",
-                 "n_backed_free", "n_blocks", "model", "conf", "stamp")
+                 "n_backed_free", "n_blocks", "model", "conf", "stamp", "last_call", "last_prompt")
 
     def __init__(self, gid: Hashable, kind: str, agent: str | None = None, session: Hashable | None = None,
                  parent: Group | None = None) -> None:
@@ -77,6 +79,10 @@ class Group:
         self.model = 0.0
         self.conf = 0.0
         self.stamp = 0
+        # A context's latest call: its blocks (prompt, then output) and how many are prompt, to
+        # tell which of them its next call leaves out (core.py `_spend`).
+        self.last_call: list[Hashable] | None = None
+        self.last_prompt = 0
 
     def free_blocks(self) -> Iterator[Block]:
         node = self.head
@@ -169,6 +175,11 @@ class EvictionIndex:
         self._last_freed_at = -math.inf
         self.n_free = 0
         self.default_group = self.group(("lru",), "other")
+        # Blocks a context's later call left out (core.py `_spend`), where such blocks are seen to
+        # be rarely used again; and the keys of spent blocks evicted since the policy last looked,
+        # so that it can tell when one is computed again (used after all).
+        self.spent_group = self.group(("spent",), "spent")
+        self.spent_evicted: list[Hashable] = []
         # Heap of group heads for `evict`, valid for one set of scores and keyed at a time just
         # ahead (see `evict`); stale entries are skipped by stamp, so keeping it current costs one
         # push per head change.
@@ -214,7 +225,8 @@ class EvictionIndex:
 
     def prune_groups(self) -> int:
         """Forget groups that hold no block (callers must fetch groups through `group` again)."""
-        empty = [gid for gid, g in self._groups.items() if g.n_blocks == 0 and g is not self.default_group]
+        keep = (self.default_group, self.spent_group)
+        empty = [gid for gid, g in self._groups.items() if g.n_blocks == 0 and g not in keep]
         for gid in empty:
             del self._groups[gid]
         return len(empty)
@@ -301,13 +313,21 @@ class EvictionIndex:
             self.n_free += freed
             self.version += freed
 
-    def acquire(self, keys: Iterable[Hashable]) -> None:
-        """Blocks reused by a request (a cache hit): no longer candidates for eviction."""
+    def acquire(self, keys: Iterable[Hashable]) -> int:
+        """Blocks reused by a request (a cache hit): no longer candidates for eviction. Returns how
+        many of them were spent (used again after all: no longer spent)."""
+        spent = 0
         for key in keys:
             b = self._blocks.get(key)
-            if b is not None and b.free:
+            if b is None:
+                continue
+            if b.spent:
+                b.spent = False
+                spent += 1
+            if b.free:
                 self._global_unlink(b)
                 self._unlink(b)
+        return spent
 
     def set_backed(self, key: Hashable, backed: bool) -> None:
         b = self._blocks.get(key)
@@ -326,6 +346,8 @@ class EvictionIndex:
             self._global_unlink(b)
             self._unlink(b)
         b.group.n_blocks -= 1
+        if b.spent:
+            self.spent_evicted.append(key)
 
     def lru_victims(self, n: int) -> list[Hashable]:
         """What plain LRU would evict next (the oldest free blocks). Changes nothing."""
@@ -430,6 +452,8 @@ class EvictionIndex:
             while True:
                 out.append(b.key)
                 del blocks[b.key]
+                if b.spent:
+                    self.spent_evicted.append(b.key)
                 self._global_unlink(b)
                 nxt = b.next
                 b.next = None

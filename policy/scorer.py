@@ -12,7 +12,9 @@ moment ago is about as likely to call soon), and a session's own prediction is b
 time it has idled already, as LRU would judge it. So each session
 gives each agent a use rate, P(use) / expected time to it; an agent's anchor is used at the sum of
 those rates over live sessions plus the sessions expected to arrive, a session's context under an
-agent only at that session's rate. A group's predicted time to next use is 1 / rate, weighed by
+agent only at that session's rate. Blocks a context's later call left out (spent) are used at the
+rate LRU's order gives them times the share of such blocks seen used again. A group's predicted
+time to next use is 1 / rate, weighed by
 what losing its next victim costs: shorter for a block deep in a long prompt where attention's
 cost is priced (recomputing it costs more), longer when a lower tier holds a copy (a load, not a
 recompute). The eviction index blends the log of that time with the log of the group's LRU age by
@@ -288,6 +290,7 @@ class SurvivalScorer:
         load_value = cost.backed_value("cpu")
         depth_priced = cost.depth_priced
         dead_reuse = traffic.dead_reuse
+        spent_reuse = traffic.spent_reuse()
         link = self.session_links()
         anchors = []
         preambles = []
@@ -350,6 +353,17 @@ class SurvivalScorer:
                 g.model = math.inf
                 g.conf = conf_all * trust
                 continue
+            elif kind == "spent":
+                # Blocks a context's later call left out: used again (by a call that rewinds, by
+                # another session) as LRU would expect, only that much less often: the rate its
+                # order gives the oldest of them (one use per idle time) times the share of spent
+                # blocks used again. Trusted by how many were seen; where that share is 1 the
+                # order is LRU's.
+                share, conf = spent_reuse
+                head = g.head
+                rate = share / (max(now - head.freed_at, 0.0) + 1e-3) if head is not None else share
+                if conf < self.cfg.min_confidence:
+                    conf = 0.0
             elif kind == "wanted":   # a queued request will hit them: a fact, set when it was queued
                 continue
             else:

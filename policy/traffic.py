@@ -1,7 +1,8 @@
 """What the policy has measured of its traffic: how long calls take and how long sessions wait
 between them, how often sessions start, which anchor version each agent uses now, and how often
-the contexts of expired sessions come back. The policy (core.py) writes it as calls come and go;
-the scorer only reads it.
+the contexts of expired sessions come back, and how often blocks a context's later call left out
+(spent blocks) are used again. The policy (core.py) writes it as calls come and go; the scorer only
+reads it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ _RATE_WINDOW_S: Final = 60.0  # new-session arrivals are counted over about this
 _STEP_SAMPLES: Final = 32      # gaps between a session's calls seen before their average is used
 _DEAD_DECAY: Final = 0.995     # per expired session
 _DEAD_MIN_BLOCKS: Final = 256.0  # dead blocks counted before their reuse is judged
+_SPENT_DECAY: Final = 0.9999   # per block a context's call left out (a half-life of ~7,000 blocks)
+_SPENT_PRIOR: Final = 64.0     # spent blocks counted before their reuse is half trusted
+_OUTPUT_DECAY: Final = 0.98    # per call whose previous output was checked (~35 calls)
+_OUTPUT_MIN_CALLS: Final = 16.0  # such calls seen before outputs are judged
 
 
 class Timing:
@@ -78,7 +83,8 @@ class Traffic:
     """The measurements; written through the methods below (by the policy), read by the scorer."""
 
     __slots__ = ("step_s", "new_session_share", "duration", "think", "current_anchor", "dead_reuse",
-                 "_steps", "_arrivals", "_elapsed", "_last_arrival_at", "_dead_blocks", "_dead_reused")
+                 "_steps", "_arrivals", "_elapsed", "_last_arrival_at", "_dead_blocks", "_dead_reused",
+                 "_spent", "_spent_reused", "_outputs_checked", "_outputs_carried")
 
     def __init__(self) -> None:
         self.step_s = 1.0             # typical time between two calls of one session (EMA)
@@ -93,6 +99,10 @@ class Traffic:
         self._last_arrival_at: float | None = None
         self._dead_blocks = 0.0       # blocks of contexts whose session expired (decayed) ...
         self._dead_reused = 0.0       # ... and hits on such blocks since
+        self._spent = 0.0             # blocks a context's later call left out (decayed) ...
+        self._spent_reused = 0.0      # ... and the share of those used again, by count
+        self._outputs_checked = 0.0   # calls whose previous call's output was looked for (decayed) ...
+        self._outputs_carried = 0.0   # ... weighted by the share of that output the call carried
 
     # -- written by the policy ----------------------------------------------------------------
     def call_opened(self, now: float, new_session: bool, previous_call_at: float | None) -> None:
@@ -140,7 +150,45 @@ class Traffic:
         if self._dead_blocks >= _DEAD_MIN_BLOCKS:
             self.dead_reuse = min(1.0, self._dead_reused / self._dead_blocks)
 
+    def blocks_spent(self, blocks: int) -> None:
+        """A context's call left out `blocks` blocks of its previous call (or outputs were filed as
+        spent right away, see `outputs_carried`)."""
+        keep = _SPENT_DECAY ** blocks
+        self._spent = self._spent * keep + blocks
+        self._spent_reused *= keep
+
+    def spent_used(self, blocks: int) -> None:
+        """A call used `blocks` spent blocks after all (hit them, or recomputed ones evicted)."""
+        self._spent_reused += blocks
+
+    def outputs_checked(self, blocks: int, carried: int) -> None:
+        """A context's call carried `carried` of the `blocks` output blocks of its previous call."""
+        if blocks > 0:
+            self._outputs_checked = self._outputs_checked * _OUTPUT_DECAY + 1.0
+            self._outputs_carried = self._outputs_carried * _OUTPUT_DECAY + min(carried, blocks) / blocks
+
     # -- read by the scorer and the policy ------------------------------------------------------
+    def spent_reuse(self) -> tuple[float, float]:
+        """(share of spent blocks used again, confidence in that share from how many were seen)."""
+        if self._spent <= 0.0:
+            return 1.0, 0.0
+        share = min(1.0, (self._spent_reused + 1.0) / (self._spent + 1.0))
+        return share, self._spent / (self._spent + _SPENT_PRIOR)
+
+    def spent_set_apart(self) -> bool:
+        """Whether spent blocks go to a group of their own (core.py `_spend`): once at least 64
+        were counted, while under half of them were used again."""
+        share, conf = self.spent_reuse()
+        return conf >= 0.5 and share < 0.5
+
+    def outputs_carried(self) -> bool | None:
+        """Whether a context's next call usually carries its previous call's output (its blocks
+        are then hit as part of the context); None until enough calls were checked. Where outputs
+        come back re-rendered (a template around them, reasoning dropped) their blocks never hit."""
+        if self._outputs_checked < _OUTPUT_MIN_CALLS:
+            return None
+        return self._outputs_carried / self._outputs_checked >= 0.5
+
     @property
     def new_session_rate(self) -> float:
         """Sessions starting per second, recently."""

@@ -22,17 +22,21 @@ AGENTS = ["sup", "coder", "search", "critic"]
 
 def _drive(policy: CacheScoutPolicy, ops, hinted: bool):
     """Run random requests through the policy like a block pool would, checking every eviction
-    against vLLM's LRU free queue (kept here as an OrderedDict)."""
+    against vLLM's LRU free queue (kept here as an OrderedDict). Each session's calls to an agent
+    extend its previous prompt to it (nothing is left out: no block is spent, see test_spent.py)."""
     ref: dict[int, int] = {}
     free: OrderedDict = OrderedDict()
     live = {}
+    contexts: dict = {}
     now = 0.0
     rid = 0
     for op, a, b in ops:
         now += 0.1
         if op == "call":
             agent = AGENTS[a % len(AGENTS)]
-            prompt = chain(anchor(agent, 4) + [("t", rid, k) for k in range(1 + b % 5)])
+            context = contexts.setdefault((agent, b % 3), [])
+            context += [("t", rid, k) for k in range(1 + b % 5)]
+            prompt = chain(anchor(agent, 4) + context)
             hints = Hints(agent=agent, session=f"s{b % 3}") if hinted else None
             policy.observe(rid, prompt, hints=hints, now=now)
             hit = 0
