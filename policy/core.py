@@ -443,16 +443,16 @@ class CacheScoutPolicy:
                     del gone[key]
                     used_spent += 1
                 index.add(key, group, i)
-        ctx.last_call = list(block_keys)
+        ctx.last_call = call = list(block_keys)
         ctx.last_prompt = n
         if self._wanted:
             self._keep_wanted(block_keys)
         used_spent += index.acquire(block_keys[:num_cached])
         if used_spent:
             self._traffic.spent_used(used_spent)
-        if live.obs.agent is not None:
+        if live.obs.agent is not None:   # the same list: prefetch keeps it while the group is pruned
             contexts = self._context_keys.setdefault(live.obs.session, {})
-            contexts[live.obs.agent] = list(block_keys)
+            contexts[live.obs.agent] = call
 
     def extend_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable]) -> None:
         """Blocks the request filled while decoding (its output): filed with its context, or as
@@ -463,8 +463,13 @@ class CacheScoutPolicy:
             group = live.context
             if group is None:
                 group = live.context = self._groups_for(live.obs)[2]
-            if group.last_call is not None:
-                group.last_call.extend(block_keys)
+            # The call's keys, held by its context group and (for an agent's context) by prefetch:
+            # one list, or the prefetch's alone where the group was pruned and made again.
+            keys = group.last_call
+            if keys is None and live.obs.agent is not None:
+                keys = self._context_keys.get(live.obs.session, {}).get(live.obs.agent)
+            if keys is not None:
+                keys.extend(block_keys)
         home = group
         spent = group is not None and self._traffic.outputs_carried() is False
         if spent:
@@ -477,10 +482,6 @@ class CacheScoutPolicy:
         if live is not None:
             live.blocks = at + len(block_keys)
         self._guard.filled(block_keys)
-        if live is not None and live.obs.agent is not None:
-            keys = self._context_keys.get(live.obs.session, {}).get(live.obs.agent)
-            if keys is not None:
-                keys.extend(block_keys)
 
     def _spend(self, ctx: Group, block_keys: Sequence[Hashable], start: int) -> None:
         """A call of context `ctx` holds `block_keys`: the blocks of the context's previous call
