@@ -6,11 +6,13 @@ timings, against the bound of each run (bound.py).
 A mix is `count` conversations of the trace folder chosen and started at random (over the trace
 window) by `seed`, replayed closed-loop (each call its recorded think time after the previous one
 finished here) or open-loop (at the recorded times). Per mix, the GPU cache is sized where LRU hits
-each of `targets` (calibrated as the main benchmark does). A closed loop is chaotic: a slightly
-different prefill time reorders calls, and LRU's own hit rate moves by about a point from that
-alone. So each cell is replayed `jitters` times with the prefill cost moved by 0.1% steps, every
-policy on the same timings, and reported as the mean; `spread` is LRU's standard deviation across
-those timings, the noise any difference must be read against. GPU tier only unless `cpu_ratio`.
+each of `targets` (calibrated as the main benchmark does). A closed loop is chaotic: waits a few
+seconds apart reorder calls and change which context is evicted just before its conversation
+returns, and LRU's own hit rate moves by about a point, its mean TTFT by several percent, from that
+alone. So each cell is replayed `jitters` times, the recorded waits and then variations of them
+(every wait scaled by its own factor within +-`wait_spread`, `workloads.waits_varied`), every
+policy on the same ones, and reported as the mean; `spread` is LRU's standard deviation across
+them, the noise any difference must be read against. GPU tier only unless `cpu_ratio`.
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ from cachescout.policy import NATIVE_STATUS, PolicyConfig
 from .bound import belady_hits
 from .policies import REGISTRY, guard_gain, make_policy
 from .replay import DEFAULT_COST_PROFILE, CostProfile, Engine, EngineConfig, PromptKeys
-from .run import calibrate_gpu_blocks, timing
+from .run import WAIT_SPREAD, calibrate_gpu_blocks
 from .table import render
 from .trace import TraceOptions, load_trace
+from .workloads import waits_varied
 
 QUICK = {"closed": (32,), "open": ()}
 
@@ -51,6 +54,7 @@ class Cell:
     cpu_ratio: float
     window_s: float
     cost_profile: str = DEFAULT_COST_PROFILE
+    wait_spread: float = WAIT_SPREAD
 
 
 def run_cell(cell: Cell) -> dict[str, Any]:
@@ -67,13 +71,13 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     bounds = []
     tier_bounds = []   # with a CPU tier: on hits in any tier
     for j in range(cell.jitters):
-        cost = timing(base, j)
+        varied = waits_varied(sessions, j, cell.wait_spread)
         best = best_tiers = 0.0
         for name in cell.policies:
-            policy = make_policy(name, cfg, sessions)
-            engine = Engine(EngineConfig(gpu_blocks=blocks, block_size=bs, cpu_blocks=cpu, cost=cost),
+            policy = make_policy(name, cfg, varied)
+            engine = Engine(EngineConfig(gpu_blocks=blocks, block_size=bs, cpu_blocks=cpu, cost=base),
                             policy, keys).record()
-            s = engine.run(sessions).summary()
+            s = engine.run(varied).summary()
             s["guard_gain"] = guard_gain(policy)
             assert engine.log is not None
             best = max(best, belady_hits(engine.log, blocks, bs) / s["prompt_tokens"])
@@ -109,8 +113,8 @@ def run_cell(cell: Cell) -> dict[str, Any]:
 
 def matrix(trace: str, counts: dict[str, Sequence[int]], seeds: Sequence[int], targets: Sequence[float],
            policies: Sequence[str], jitters: int, cpu_ratio: float, window_s: float,
-           cost_profile: str = DEFAULT_COST_PROFILE) -> list[Cell]:
-    return [Cell(trace, n, seed, loop, t, tuple(policies), jitters, cpu_ratio, window_s, cost_profile)
+           cost_profile: str = DEFAULT_COST_PROFILE, wait_spread: float = WAIT_SPREAD) -> list[Cell]:
+    return [Cell(trace, n, seed, loop, t, tuple(policies), jitters, cpu_ratio, window_s, cost_profile, wait_spread)
             for loop, ns in counts.items() for n in ns for seed in seeds for t in targets]
 
 
@@ -129,7 +133,7 @@ def distinct(cells: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
 
 def summarize(cells: list[dict[str, Any]], ours: str = "cachescout", base: str = "lru") -> dict[str, Any]:
     """The worst and mean differences of `ours` against `base` over every cell."""
-    diffs, ratios, p99, precision, gains, worse, below, slower = [], [], [], [], [], 0, 0, 0
+    diffs, ratios, p99, precision, gains, worse, below, slower, clearly_slower = [], [], [], [], [], 0, 0, 0, 0
     for c in cells:
         a, b = c["policies"].get(ours), c["policies"].get(base)
         if a is None or b is None:
@@ -142,6 +146,9 @@ def summarize(cells: list[dict[str, Any]], ours: str = "cachescout", base: str =
         ratio = a["ttft_mean_ms"] / b["ttft_mean_ms"] if b["ttft_mean_ms"] else 1.0
         ratios.append(ratio)
         slower += ratio > 1.02
+        # Above 1.02x beyond two standard errors of the ratio over the cell's timings.
+        se = ttft_ratio_se(a["runs"], b["runs"]) if "runs" in a and "runs" in b else None
+        clearly_slower += ratio - 2 * (se or 0.0) > 1.02
         p99.append(a["ttft_p99_ms"] / b["ttft_p99_ms"] if b["ttft_p99_ms"] else 1.0)
         if "prefetch_precision" in a:
             precision.append(a["prefetch_precision"])
@@ -151,6 +158,7 @@ def summarize(cells: list[dict[str, Any]], ours: str = "cachescout", base: str =
         return {}
     out = {"policy": ours, "against": base, "cells": len(diffs),
            "cells_below_by_0.2pt": below, "cells_clearly_worse": worse, "cells_ttft_over_1.02x": slower,
+           "cells_ttft_clearly_over_1.02x": clearly_slower,
            "hit_difference_min": min(diffs), "hit_difference_mean": statistics.fmean(diffs),
            "hit_difference_max": max(diffs),
            "ttft_ratio_max": max(ratios), "ttft_ratio_mean": statistics.fmean(ratios),
@@ -204,7 +212,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seeds", default="1,2,3")
     p.add_argument("--targets", default="0.6,0.75,0.9", help="LRU hit rates the cache sizes are chosen for")
     p.add_argument("--policies", default="lru,cachescout,belady")
-    p.add_argument("--jitters", type=int, default=3, help="timings each cell is replayed under")
+    p.add_argument("--jitters", type=int, default=3,
+                   help="timings each cell is replayed under: the recorded waits, then variations of them")
+    p.add_argument("--wait-spread", type=float, default=WAIT_SPREAD,
+                   help="each variation scales every wait by its own random factor within 1 +- this")
     p.add_argument("--cpu-ratio", type=float, default=0.0, help="LMCache CPU tier as a multiple of the GPU cache")
     p.add_argument("--window", type=float, default=1800.0, help="conversations start within this many seconds")
     p.add_argument("--cost-profile", default=DEFAULT_COST_PROFILE,
@@ -229,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"choose from {', '.join(sorted(REGISTRY))}")
     if args.jitters < 1:
         p.error(f"--jitters must be an integer >= 1, got {args.jitters}")
+    if not (0.0 <= args.wait_spread < 1.0):
+        p.error(f"--wait-spread must be a share within [0, 1), got {args.wait_spread}")
     if not targets or not all(0 < t < 1 for t in targets):
         p.error(f"--targets must be LRU hit rates within (0, 1), got {args.targets!r}")
     if not (math.isfinite(args.cpu_ratio) and args.cpu_ratio >= 0):
@@ -244,7 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as e:
         p.error(f"--trace {args.trace}: {e}")
     cells = matrix(args.trace, counts, seeds, targets, policies, args.jitters, args.cpu_ratio, args.window,
-                   args.cost_profile)
+                   args.cost_profile, args.wait_spread)
     t0 = time.time()
     results = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

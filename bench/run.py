@@ -22,17 +22,19 @@ from .replay import DEFAULT_COST_PROFILE, CacheTooSmall, CostProfile, Engine, En
 from .table import render
 from .sweep import CACHE_FACTORS, LOAD_FACTORS, SWEEP_POLICIES, cache_sweep, load_sweep, plot
 from .trace import TraceOptions, export_trace, load_trace
-from .workloads import ARRIVALS, ROUTINGS, Session, WorkloadSpec, anchor_share, generate
+from .workloads import ARRIVALS, ROUTINGS, Session, WorkloadSpec, anchor_share, generate, waits_varied
 
 DEFAULT_POLICIES = ("lru", "cachescout", "cachescout-hints", "belady")
 NEED_AGENTS = ("cachescout-hints", "kvflow")   # given the true agents (and sessions) of every call
 TARGET_LRU_HIT = 0.68  # default pressure: LRU inside the 60-75% band
 CEILING_SHARE = 0.8    # ... or at this share of the unbounded cache's hit rate, if lower
-# A closed loop is chaotic: a prefill 0.1% slower reorders later calls, and on a few long
-# conversations LRU's own hit rate moves by a point from that alone. A trace replayed closed loop
-# is reported as the mean over this many timings, each policy against LRU on the same ones.
+# A closed loop is chaotic: waits a few seconds apart reorder later calls and change which
+# context is evicted just before its conversation returns; on a few long conversations LRU's own
+# hit rate moves by a point and mean TTFT by several percent from that alone. A trace replayed
+# closed loop is reported as the mean over this many timings (the recorded waits, then variations
+# of them: `workloads.waits_varied`), each policy against LRU on the same ones.
 CLOSED_LOOP_TIMINGS = 3
-TIMING_STEP = 0.001    # each timing's prefill cost differs from the last by this share
+WAIT_SPREAD = 0.02     # each timing after the first scales every wait by its own factor within +-2%
 
 
 _COUNT = 10**9            # sessions, blocks: far above any machine's
@@ -74,8 +76,9 @@ class BenchOptions:
                                 ".jsonl.gz) or kv-cache-tester conversation files (.json, .json.gz: one file, "
                                 "or a folder of them, mixed); the format is detected (docs/workloads.md)")
     trace_options: TraceOptions = TraceOptions()   # how to read it (its own settings: --trace-* flags)
-    timings: int = setting(0, "replay every policy under this many timings (the prefill cost moved by 0.1% steps) and "
-                           "report the means, each policy against LRU on the same timings; 0: "
+    timings: int = setting(0, "replay every policy under this many timings (the recorded waits, then every wait "
+                           "scaled by its own random factor within +-2%) and report the means, each policy "
+                           "against LRU on the same timings; 0: "
                            f"{CLOSED_LOOP_TIMINGS} for a trace replayed closed loop, whose timing is chaotic, else 1",
                            lo=0, hi=100)
     export_trace: str | None = setting(None, "write each built-in workload's calls to DIR/<workload>.jsonl")
@@ -188,10 +191,10 @@ def run_sessions(name: str, sessions: Sequence[Session], block_size: int, opts: 
     timings = opts.timings or (CLOSED_LOOP_TIMINGS if opts.trace and closed_loop(sessions) else 1)
     runs: dict[str, list[dict]] = {p: [] for p in policies}
     for j in range(timings):
-        run_cfg = dataclasses.replace(cfg, cost=timing(cfg.cost, j))
+        varied = waits_varied(sessions, j, WAIT_SPREAD)
         for policy_name in policies:
             label = f"{name}: {policy_name}" + (f" (timing {j + 1}/{timings})" if timings > 1 else "")
-            runs[policy_name].append(_replay(policy_name, sessions, run_cfg, policy_cfg, prompt_keys, labelled,
+            runs[policy_name].append(_replay(policy_name, varied, cfg, policy_cfg, prompt_keys, labelled,
                                              progress, label))
     results = [_mean_of(rs) for rs in runs.values()]
     known = {r["policy"]: r for r in results}
@@ -268,11 +271,6 @@ def closed_loop(sessions: Sequence[Session]) -> bool:
     """Whether some session issues a call only after its previous one finished (its timing then
     depends on the replay's own)."""
     return any(not s.offsets_s and len(s.calls) > 1 for s in sessions)
-
-
-def timing(cost: CostProfile, j: int) -> CostProfile:
-    """The `j`th timing of a replay: the prefill cost moved by `j` steps of TIMING_STEP (0: as is)."""
-    return dataclasses.replace(cost, prefill_s_per_token=cost.prefill_s_per_token * (1.0 + TIMING_STEP * j))
 
 
 def _replay(policy_name: str, sessions: Sequence[Session], cfg: EngineConfig, policy_cfg: PolicyConfig,
@@ -397,7 +395,7 @@ def format_table(report: dict) -> str:
     paired = report.get("timings", 1) > 1 and report.get("lru_spread") is not None
     baseline = report.get("baseline", "lru")
     if report.get("timings", 1) > 1:
-        head += (f"\n  means over {report['timings']} timings (prefill cost +0.1% apart)"
+        head += (f"\n  means over {report['timings']} timings (the recorded waits, then each wait varied within ±2%)"
                  + (f"; LRU's hit rate moves by {100 * report['lru_spread']:.2f} points (sd) across them alone, "
                     "'hit vs LRU': on the same timings, ± its standard error" if paired else ""))
     if baseline not in (None, "lru"):

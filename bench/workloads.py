@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
 import math
 import random
@@ -305,6 +306,32 @@ def anchor_share(sessions: Sequence[Session]) -> float:
             anchor_tokens += len(a[c.agent])
             total += c.prompt_len
     return anchor_tokens / total if total else 0.0
+
+
+def waits_varied(sessions: Sequence[Session], j: int, spread: float) -> list[Session]:
+    """The `j`th variation of some traffic (0: as given): every wait, each call's think time, each
+    gap between open-loop calls and each sub-session's delay after its parent's call, scaled by its
+    own factor drawn in [1 - spread, 1 + spread] (seeded by `j`, so every policy replays the same
+    variation). Conversations keep their starts, calls and lengths. A closed loop is chaotic: which
+    context is evicted just before its conversation returns turns on seconds, so one replay of a
+    mix is one draw of outcomes that differ by several points of TTFT; replays of a few
+    variations, every policy on each, sample them."""
+    if j == 0 or spread == 0.0:
+        return list(sessions)
+    rng = random.Random(j)
+    out = []
+    for s in sessions:
+        calls = tuple(dataclasses.replace(c, think_s=c.think_s * (1.0 + rng.uniform(-spread, spread)))
+                      for c in s.calls)
+        offsets = s.offsets_s
+        if offsets:
+            at = [offsets[0]]
+            for a, b in itertools.pairwise(offsets):
+                at.append(at[-1] + (b - a) * (1.0 + rng.uniform(-spread, spread)))
+            offsets = tuple(at)
+        arrival = s.arrival_s * (1.0 + rng.uniform(-spread, spread)) if s.parent is not None else s.arrival_s
+        out.append(dataclasses.replace(s, arrival_s=arrival, calls=calls, offsets_s=offsets))
+    return out
 
 
 def iter_calls(sessions: Sequence[Session]) -> Iterator[tuple[Session, int, Call]]:

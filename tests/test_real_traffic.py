@@ -1,5 +1,6 @@
 """The real-traffic matrix runner: its figures are each run's own, bounded, and its flags checked."""
 
+import itertools
 import json
 from pathlib import Path
 
@@ -112,3 +113,36 @@ def test_a_cost_profile_is_chosen_by_name_and_said_in_the_section(tmp_path, caps
     section = real_traffic_section(deep, intro=False)
     assert "--cost-profile llama3.1-8b-h200-attention" in section and "priced with attention's cost" in section
     assert "--cost-profile" not in real_traffic_section(plain, intro=False)
+
+
+def _gaps(s):
+    return [b - a for a, b in itertools.pairwise(s.offsets_s)]
+
+
+def test_timings_vary_every_wait_within_the_spread_and_nothing_else():
+    from cachescout.bench.trace import TraceOptions, load_trace
+    from cachescout.bench.workloads import waits_varied
+
+    closed, _ = load_trace(str(DATA), TraceOptions(conversations=4, seed=1, loop="closed", window_s=120.0))
+    opened, _ = load_trace(str(DATA), TraceOptions(conversations=4, seed=1, loop="open", window_s=120.0))
+    assert any(s.parent is not None for s in closed), "the sample should hold a sub-agent"
+    assert waits_varied(closed, 0, 0.02) == closed      # the first timing is the traffic as recorded
+    for sessions in (closed, opened):
+        a, b = waits_varied(sessions, 1, 0.02), waits_varied(sessions, 2, 0.02)
+        assert a == waits_varied(sessions, 1, 0.02) and a != b     # seeded: every policy replays the same
+        for old, new in zip(sessions, a, strict=True):
+            assert (new.session_id, new.parent, new.after_call, len(new.calls)) == \
+                (old.session_id, old.parent, old.after_call, len(old.calls))
+            for c, d in zip(old.calls, new.calls, strict=True):
+                assert d.hash_ids == c.hash_ids and d.output_length == c.output_length
+                assert abs(d.think_s - c.think_s) <= 0.02 * c.think_s + 1e-12
+            if old.parent is None:
+                assert new.arrival_s == old.arrival_s     # the mix keeps its starts
+            else:
+                assert abs(new.arrival_s - old.arrival_s) <= 0.02 * old.arrival_s + 1e-12
+            assert all(abs(g2 - g) <= 0.02 * g + 1e-9 for g, g2 in zip(_gaps(old), _gaps(new), strict=True))
+        # ... and every wait that is not zero moves.
+        recorded = [c.think_s for s in sessions for c in s.calls] + [g for s in sessions for g in _gaps(s)]
+        waits = [c.think_s for s in a for c in s.calls] + [g for s in a for g in _gaps(s)]
+        assert sum(r > 0 for r in recorded) > 10
+        assert all(w != r for w, r in zip(waits, recorded, strict=True) if r > 0)
