@@ -97,7 +97,7 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     if cpu:
         out["bound_hit_rate"] = statistics.fmean(tier_bounds)
     for name, rs in runs.items():
-        agg: dict[str, Any] = {k: statistics.fmean(r[k] for r in rs) for k in rs[0]}
+        agg = mean_of_runs(rs)
         agg["runs"] = rs
         out["policies"][name] = agg
     base_name = "lmcache-lru" if "lmcache-lru" in runs else "lru"
@@ -109,6 +109,13 @@ def run_cell(cell: Cell) -> dict[str, Any]:
             d = [a["token_hit_rate"] - b["token_hit_rate"] for a, b in zip(rs, lru, strict=True)]
             out["policies"][name]["paired_se"] = statistics.stdev(d) / math.sqrt(len(d))
     return out
+
+
+def mean_of_runs(runs: Sequence[dict[str, float]]) -> dict[str, Any]:
+    """Each figure's mean over a policy's runs of one cell; one that some timing lacks (no prefetch
+    was judged in it) over the runs that have it."""
+    names = dict.fromkeys(k for r in runs for k in r)
+    return {k: statistics.fmean(r[k] for r in runs if k in r) for k in names}
 
 
 def matrix(trace: str, counts: dict[str, Sequence[int]], seeds: Sequence[int], targets: Sequence[float],

@@ -132,8 +132,9 @@ def test_a_folder_without_conversations_says_so(tmp_path):
 
 
 def test_a_closed_loop_trace_is_reported_over_several_timings_each_policy_against_lru_on_the_same_ones():
-    # One timing of a closed loop is chaos: a prefill 0.1% slower reorders later calls. The table
-    # gives the means over CLOSED_LOOP_TIMINGS timings and each policy's paired difference to LRU.
+    # One timing of a closed loop is chaos: waits a few seconds apart reorder later calls. The table
+    # gives the means over CLOSED_LOOP_TIMINGS timings (the recorded waits, then variations of them)
+    # and each policy's paired difference to LRU.
     import statistics
 
     from cachescout.bench.run import CLOSED_LOOP_TIMINGS, BenchOptions, format_table, run_trace

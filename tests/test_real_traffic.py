@@ -146,3 +146,10 @@ def test_timings_vary_every_wait_within_the_spread_and_nothing_else():
         waits = [c.think_s for s in a for c in s.calls] + [g for s in a for g in _gaps(s)]
         assert sum(r > 0 for r in recorded) > 10
         assert all(w != r for w, r in zip(waits, recorded, strict=True) if r > 0)
+
+
+def test_a_figure_some_timing_lacks_is_averaged_over_the_timings_that_have_it():
+    # A timing whose prefetches were never judged has no precision; the cell still has one.
+    runs = [{"token_hit_rate": 0.5, "prefetch_precision": 0.25}, {"token_hit_rate": 0.7}]
+    assert real_traffic.mean_of_runs(runs) == pytest.approx({"token_hit_rate": 0.6, "prefetch_precision": 0.25})
+    assert "prefetch_precision" not in real_traffic.mean_of_runs([{"token_hit_rate": 0.5}])
