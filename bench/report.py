@@ -25,7 +25,7 @@ from typing import Any
 from cachescout.policy import NATIVE_STATUS
 
 from .replay import DEFAULT_COST_PROFILE
-from .run import BenchOptions, run
+from .run import WAIT_SPREAD, BenchOptions, run
 
 ALL_POLICIES = ("lru", "continuum", "kvflow", "cachescout", "cachescout-hints", "cachescout-hashonly", "belady")
 TIER_POLICIES = ("lru", "lmcache-lru", "continuum", "kvflow", "cachescout-noprefetch", "cachescout", "belady")
@@ -244,7 +244,7 @@ finished here) or open-loop (at the recorded times), the GPU cache sized where L
 evicted just before its conversation returns, which moves LRU's own hit rate by up to a point and
 its mean TTFT by several percent. So each cell is the mean of {jitters} timings, the recorded waits
 and then variations of them (every wait, think time or open-loop gap, scaled by its own random
-factor within ±2%, seeded), every policy on the same ones; `LRU spread` is LRU's standard deviation
+factor within ±{spread:.0%}, seeded), every policy on the same ones; `LRU spread` is LRU's standard deviation
 over them, `±` the standard error of the paired difference in hit rate, and the `±` after a TTFT
 change the standard error of that policy's TTFT ratio to LRU's over the same timings. One replay's
 ratio is one draw: on the attention-priced cell of 16 conversations, seed 1, closed loop, LRU at
@@ -342,7 +342,7 @@ def real_traffic_section(report: dict, intro: bool = True) -> str:
                      " minutes: a queue that grows through the run)." if "attention" in args["cost_profile"] else "."))
     text = REAL_RUN_TEXT.format(tiers=tiers, command=command)
     if intro:
-        text = REAL_TEXT.format(jitters=args["jitters"]) + "\n" + text
+        text = REAL_TEXT.format(jitters=args["jitters"], spread=args.get("wait_spread", WAIT_SPREAD)) + "\n" + text
     lines = [text,
              "```", format_cells(report["cells"], policies).rstrip(), "```", ""]
     for name, s in report["summary"].items():
