@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Callable, Hashable, Sequence
 from typing import cast
 
-from cachescout.policy import CacheScoutPolicy, Hints, InputError, PolicyConfig, measured_gain
+from cachescout.policy import CacheScoutPolicy, Hints, InputError, PolicyConfig, measured_gain, output_ending
 
 from .belady import BeladyPolicy
 from .oracles import KnowsDeadLRU, KnowsEndsLRU
@@ -87,13 +87,16 @@ class CacheScoutReplay(ReplayPolicy):
             self.core.blocks_prefetched(group, agent, now, session=session)
 
     def finished(self, req: Request, now: float) -> None:
+        # How the call ended, as a server sees it: its last output tokens; a trace has no tokens
+        # but may record the stop reason ("tool_use", "end_turn"), which is what they show.
         call = req.call
-        if not self.tokens:
-            self.core.finish(req, now)
-        elif hasattr(call, "output"):
-            self.core.finish(req, now, output_tokens=call.output)
+        if hasattr(call, "output"):
+            if self.tokens:
+                self.core.finish(req, now, output_tokens=call.output, ending=output_ending(call.output))
+            else:
+                self.core.finish(req, now)
         else:
-            self.core.finish(req, now, output_chunks=call.output_chunks)
+            self.core.finish(req, now, output_chunks=call.output_chunks if self.tokens else None, ending=call.end)
 
 
 def guard_gain(policy: ReplayPolicy) -> float | None:

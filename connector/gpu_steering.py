@@ -40,7 +40,7 @@ from collections import Counter
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Final
 
-from cachescout.policy import CacheScoutPolicy, Hints, block_keys
+from cachescout.policy import CacheScoutPolicy, Hints, block_keys, output_ending
 
 from .gpu_warmup import WARMUP_KEY
 from .lmcache_model import CpuTierModel
@@ -347,7 +347,8 @@ class GpuSteering:
         if t.warmup is None:
             # Only the output's first `session_window_tokens` are read (its leading content chunks).
             window = self.policy.cfg.session_window_tokens
-            self.policy.finish(request.request_id, now, output_tokens=request.output_token_ids[:window])
+            out = request.output_token_ids
+            self.policy.finish(request.request_id, now, output_tokens=out[:window], ending=output_ending(out))
         freed = []
         for key in reversed(t.keys[:t.filed]):   # tail first, the order vLLM frees in
             blk = self._located(key)

@@ -52,7 +52,7 @@ compiled_first(__path__)  # noqa: F821 (the package's search path)
 
 from .config import (PolicyConfig, check_fields, check_mapping, check_value, describe, reject_unknown, setting,
                      settings_of)
-from .core import SHARED_NAME_PREFIX, CacheScoutPolicy, Hints, Observation, PolicyInternals
+from .core import SHARED_NAME_PREFIX, CacheScoutPolicy, Hints, Observation, PolicyInternals, output_ending
 from .errors import CacheScoutError, ConfigError, ExternalError, InputError, StateDecodeError
 from .eviction import EvictionIndex
 from .fingerprint import AgentFingerprinter, Fingerprint, block_key, block_keys
@@ -67,7 +67,7 @@ __all__ = [
     "EvictionIndex", "ExternalError", "Fingerprint", "Hints", "InputError", "Observation", "PolicyConfig",
     "PolicyInternals", "PrefetchAction", "PrefetchCandidate", "PrefetchPlanner", "SessionTracker", "StateDecodeError",
     "TransitionLearner", "TransitionSnapshot", "block_key", "block_keys", "check_fields", "check_mapping",
-    "check_value", "content_chunks", "content_sketch", "describe", "measured_gain", "reject_unknown", "setting",
-    "settings_of", "sketch_window",
+    "check_value", "content_chunks", "content_sketch", "describe", "measured_gain", "output_ending", "reject_unknown",
+    "setting", "settings_of", "sketch_window",
     "NATIVE", "NATIVE_STATUS",
 ]

@@ -45,6 +45,14 @@ _WANTED_STEP: Final = 1e-9    # `model` between the groups of two requests queue
 _SPENT_MEMORY: Final = 1 << 16  # evicted spent blocks remembered, to count those computed again
 
 
+def output_ending(output_tokens: Sequence[int]) -> tuple[int, ...] | None:
+    """The `ending` of a call (see `CacheScoutPolicy.finish`) read from its output: its last two
+    token ids. In most chat templates they tell a tool call (closing markup, or a stop token of its
+    own such as Llama 3's end-of-message) from an answer to a person (end of turn), and so the
+    seconds a tool takes from the minutes a person does."""
+    return tuple(output_tokens[-2:]) if output_tokens else None
+
+
 def _free_order(b: Block) -> int:
     return b.seq
 
@@ -206,8 +214,11 @@ class CacheScoutPolicy:
             self._sessions.mark_shared(own_start * bs, start, tokens=tokens, sketch=content)
         traffic = self._traffic
         traffic.call_opened(now, a.new, a.previous_call_at)
-        if not a.new and a.previous_agent is not None and s.last_finish_at and s.in_flight == 1:
-            traffic.waited(a.previous_agent, now - s.last_finish_at)
+        if not a.new and s.last_finish_at and s.in_flight == 1:
+            if a.previous_agent is not None:
+                traffic.waited(a.previous_agent, now - s.last_finish_at)
+            else:
+                traffic.waits.waited(s.ending, now - s.last_finish_at)
 
         src = START if a.new else a.previous_agent
         predicted = None
@@ -240,17 +251,21 @@ class CacheScoutPolicy:
         return obs
 
     def finish(self, request_id: Hashable, now: float | None = None,
-               output_tokens: Sequence[int] | None = None, output_chunks: Sequence[int] | None = None) -> None:
+               output_tokens: Sequence[int] | None = None, output_chunks: Sequence[int] | None = None,
+               ending: Hashable | None = None) -> None:
         """The request's call ended (its blocks are released separately, by `blocks_freed`).
         `output_tokens` (or their precomputed `output_chunks`) help recognise the session of the
-        call that uses them next."""
+        call that uses them next. `ending`: a small hashable signature of how the call ended (its
+        last output token ids, a stop reason), or None: sessions without a known agent are
+        expected to call again after the waits learned for that ending (a tool call is answered
+        in seconds, an answer to a person in minutes or never)."""
         live = self._live.pop(request_id, None)
         if request_id in self._wanting:   # it ended (was aborted) before it was admitted
             self._guard.unwanted(*self._unwant(request_id, admitted=False), refresh=False)
         if live is not None:
             now = self.clock() if now is None else now
             self._traffic.call_took(live.obs.agent, now - live.started_at)
-            self._sessions.finished(live.obs.session, now, output_tokens, output_chunks)
+            self._sessions.finished(live.obs.session, now, output_tokens, output_chunks, ending)
 
     def observation(self, request_id: Hashable) -> Observation | None:
         live = self._live.get(request_id)
@@ -258,6 +273,8 @@ class CacheScoutPolicy:
 
     def _expire(self, now: float) -> None:
         for s in self._sessions.expire(now, self._traffic.known_step_s()):
+            if s.agent is None and s.in_flight == 0:
+                self._traffic.waits.gave_up(s.ending)
             self._next_hint.pop(s.sid, None)
             self._context_keys.pop(s.sid, None)
             self._note_dead(s)

@@ -349,6 +349,11 @@ class EvictionIndex:
         if b.spent:
             self.spent_evicted.append(key)
 
+    def oldest_free_age(self, now: float) -> float:
+        """How long the block freed first of those still free has been free (inf: none is)."""
+        head = self._lru_head
+        return math.inf if head is None else max(now - head.freed_at, 0.0)
+
     def lru_victims(self, n: int) -> list[Hashable]:
         """What plain LRU would evict next (the oldest free blocks). Changes nothing."""
         out: list[Hashable] = []

@@ -43,6 +43,8 @@ _LINKED_SHARE: Final = 0.2    # multi-call sessions spanning agents, at and abov
 _UNLINKED_SHARE: Final = 0.1  # ... and at and below which they are not
 # Idle for this many think times, a session is under 0.1% likely to call again (see next_call_in).
 _ALIVE_IDLE_THINKS: Final = 2.0 - math.log(1e-3)
+# Waits seen (`Traffic.waits`) at which a prediction from them is half trusted.
+_WAITS_HALF_CONFIDENT: Final = 32.0
 
 
 def _next_call(s: Session, now: float, think: float, duration: float, regular: float) -> tuple[float, float]:
@@ -292,6 +294,9 @@ class SurvivalScorer:
         dead_reuse = traffic.dead_reuse
         spent_reuse = traffic.spent_reuse()
         link = self.session_links()
+        # How long a free block stays cached now, as LRU keeps them: a use later than that is a
+        # miss whatever the order, so waits are judged within it.
+        residence = max(index.oldest_free_age(now), 1.0)
         anchors = []
         preambles = []
         session_of = self._sessions.get
@@ -309,6 +314,11 @@ class SurvivalScorer:
                     tail = g.tail      # its youngest free block: the session's last use (below)
                     if dead_reuse > 0.0 and tail is not None:
                         rate = dead_reuse / (max(now - tail.freed_at, 0.0) + 1e-3)
+                elif ses.agent is None and agent is None:
+                    # A session whose calls no agent was recognised in (each conversation its
+                    # own prompt, as in coding agents' traffic): its next call continues this
+                    # context, when the waits learned after calls that ended as its last did say.
+                    rate, conf = self._unknown_agent_rate(ses, g, now, residence, dead_reuse)
                 elif ses.agent is None or agent is None:
                     rate, conf = 0.0, 0.0                  # nothing known: LRU
                 else:
@@ -398,6 +408,31 @@ class SurvivalScorer:
             if g.model == math.inf:
                 g.model = floor
         index.scores_changed()
+
+    def _unknown_agent_rate(self, ses: Session, g: Group, now: float, residence: float,
+                            dead_reuse: float) -> tuple[float, float]:
+        """(use rate, confidence) of the context of a session with no known agent: P(it calls
+        within `residence`) / the expected wait until then, from the waits learned after calls
+        that ended as its last (`Traffic.waits`); never below what an expired session's context
+        is worth. Confidence grows with the waits seen; (0, 0), LRU's order, before any."""
+        traffic = self._traffic
+        waits = traffic.waits
+        if ses.in_flight:
+            idle = 0.0
+            ahead = max(traffic.duration.get(None) - (now - ses.last_call_at), 0.0)
+        else:
+            idle = max(now - max(ses.last_finish_at, ses.last_call_at), 0.0)
+            ahead = 0.0
+        got = waits.next_call(ses.ending, idle, residence)
+        if got is None:
+            return 0.0, 0.0
+        p, wait = got
+        rate = p / (wait + ahead)
+        tail = g.tail
+        if dead_reuse > 0.0 and tail is not None:
+            rate = max(rate, dead_reuse / (max(now - tail.freed_at, 0.0) + 1e-3))
+        conf = waits.seen / (waits.seen + _WAITS_HALF_CONFIDENT)
+        return rate, conf if conf >= self.cfg.min_confidence else 0.0
 
     def _view(self, s: Session, sv: SessionView, agent: str, now: float, rnd: int,
               per_agent: dict[str, _AgentView], overrides: Mapping[object, str] | None,

@@ -114,6 +114,7 @@ class Session:
     called: set[str] = dataclasses.field(default_factory=set)  # agents this session has called
     anchor_nodes: dict[str, int] = dataclasses.field(default_factory=dict)  # agent -> anchor version it used last
     over: bool = False             # idle long enough to be all but certainly finished
+    ending: Hashable | None = None  # how its latest finished call ended (`finish`'s `ending`)
     # The scorer's view of it in its latest rescoring, kept here so that rescoring looks nothing
     # up per session.
     view: SessionView = dataclasses.field(default_factory=SessionView)
@@ -235,10 +236,11 @@ class SessionTracker:
         return Assignment(s, previous, new, evidence, previous_at)
 
     def finished(self, sid: Hashable, now: float, output: Sequence[int] | None = None,
-                 output_chunks: Sequence[Hashable] | None = None) -> None:
+                 output_chunks: Sequence[Hashable] | None = None, ending: Hashable | None = None) -> None:
         """A call of the session ended. Its output usually reappears in the next agent's prompt
         (an instruction, an answer), so its leading chunks become evidence for this session.
-        `output_chunks`: those chunk hashes precomputed (trace files), instead of `output`."""
+        `output_chunks`: those chunk hashes precomputed (trace files), instead of `output`;
+        `ending`: how the call ended (see `CacheScoutPolicy.finish`)."""
         s = self._sessions.get(sid)
         if s is not None and output:
             output_chunks = content_chunks(output, 0, self.cfg.session_window_tokens)
@@ -247,6 +249,7 @@ class SessionTracker:
         if s is not None and s.in_flight > 0:
             s.in_flight -= 1
             s.last_finish_at = now
+            s.ending = ending
             if s.in_flight == 0:
                 self._busy.pop(sid, None)
                 self._idle[sid] = s

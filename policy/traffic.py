@@ -1,13 +1,15 @@
 """What the policy has measured of its traffic: how long calls take and how long sessions wait
 between them, how often sessions start, which anchor version each agent uses now, and how often
 the contexts of expired sessions come back, and how often blocks a context's later call left out
-(spent blocks) are used again. The policy (core.py) writes it as calls come and go; the scorer only
-reads it.
+(spent blocks) are used again, and how long sessions without a known agent wait after a call, by
+how the call ended (`WaitSurvival`). The policy (core.py) writes it as calls come and go; the scorer
+only reads it.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from typing import Final
 
 _TIMING_EMA: Final = 0.05
@@ -21,6 +23,15 @@ _SPENT_DECAY: Final = 0.9999   # per block a context's call left out (a half-lif
 _SPENT_PRIOR: Final = 64.0     # spent blocks counted before their reuse is half trusted
 _OUTPUT_DECAY: Final = 0.98    # per call whose previous output was checked (~35 calls)
 _OUTPUT_MIN_CALLS: Final = 16.0  # such calls seen before outputs are judged
+# Waits by ending (`WaitSurvival`): bin 0 holds waits under _WAIT_EDGE0_S, bin i >= 1 those from
+# _WAIT_EDGE0_S * 2 ** ((i - 1) / 2) to twice that over two bins (the last up to 8.6 days), and
+# the bin after them sessions that expired without calling again.
+_WAIT_EDGE0_S: Final = 0.25
+_WAIT_BINS: Final = 44
+_WAIT_DECAY: Final = 1.0 - 1.0 / 1024   # per wait of the same ending (and of all, for the pool)
+_WAIT_PRIOR: Final = 8.0      # waits of the pool an ending's own count as, as long as it has few
+_WAIT_MAX_KEYS: Final = 256   # endings remembered; the one with the fewest waits goes first
+_WAIT_MIN: Final = 32.0       # waits seen before they are used at all
 
 
 class Timing:
@@ -79,10 +90,143 @@ class Timing:
         return math.exp(v) if self.typical else v
 
 
+def _wait_edges() -> list[float]:
+    edges = [0.0]
+    edges.extend(_WAIT_EDGE0_S * 2.0 ** (i / 2.0) for i in range(_WAIT_BINS))
+    return edges   # bin i holds [edges[i], edges[i + 1]); the last bin's top is edges[_WAIT_BINS]
+
+
+_EDGES: Final = _wait_edges()
+
+
+def _wait_bin(seconds: float) -> int:
+    if seconds < _WAIT_EDGE0_S:
+        return 0
+    return min(_WAIT_BINS - 1, 1 + int(2.0 * math.log2(seconds / _WAIT_EDGE0_S)))
+
+
+class _Waits:
+    """Decayed counts of waits per bin (the last, `_WAIT_BINS`, for "expired without calling")."""
+
+    __slots__ = ("counts", "total", "version")
+
+    def __init__(self) -> None:
+        self.counts = [0.0] * (_WAIT_BINS + 1)
+        self.total = 0.0
+        self.version = 0
+
+    def add(self, b: int) -> None:
+        counts = self.counts
+        for i in range(len(counts)):
+            counts[i] *= _WAIT_DECAY
+        counts[b] += 1.0
+        self.total = self.total * _WAIT_DECAY + 1.0
+        self.version += 1
+
+
+class WaitSurvival:
+    """How long a session waits after a call before it calls again, learned online from the
+    waits seen, per *ending* of the call (an opaque signature of how it ended: inside vLLM its last
+    output tokens, which tell a tool call from an answer to a person in most chat templates; in a
+    trace its stop reason), each drawn towards the waits of all endings while it has few of its
+    own. Sessions that expired without calling again count as waits longer than any. No shape is
+    assumed: people's waits are long-tailed and several-peaked (a tool's seconds, a person's
+    minutes, a conversation's end), which a typical wait and a spread do not describe."""
+
+    __slots__ = ("_pool", "_by_ending", "_tables")
+
+    def __init__(self) -> None:
+        self._pool = _Waits()
+        self._by_ending: dict[Hashable, _Waits] = {}
+        # Per ending: (versions it was built from, cumulative mass per bin edge) for `next_call`.
+        self._tables: dict[Hashable | None, tuple[int, int, list[float]]] = {}
+
+    @property
+    def seen(self) -> float:
+        """Waits counted (decayed), of all endings."""
+        return self._pool.total
+
+    def waited(self, ending: Hashable | None, seconds: float) -> None:
+        """A session called again `seconds` after a call that ended as `ending`."""
+        if seconds < 0 or not math.isfinite(seconds):
+            return
+        self._note(ending, _wait_bin(seconds))
+
+    def gave_up(self, ending: Hashable | None) -> None:
+        """A session expired without calling again after a call that ended as `ending`."""
+        self._note(ending, _WAIT_BINS)
+
+    def _note(self, ending: Hashable | None, b: int) -> None:
+        self._pool.add(b)
+        if ending is None:
+            return
+        w = self._by_ending.get(ending)
+        if w is None:
+            if len(self._by_ending) >= _WAIT_MAX_KEYS:
+                least = min(self._by_ending, key=lambda k: self._by_ending[k].total)
+                del self._by_ending[least]
+                self._tables.pop(least, None)
+            w = self._by_ending[ending] = _Waits()
+        w.add(b)
+
+    def _table(self, ending: Hashable | None) -> list[float]:
+        """Cumulative mass at each bin edge (the last entry: everything), the ending's own waits
+        plus the pool's scaled to `_WAIT_PRIOR` waits."""
+        pool = self._pool
+        own = self._by_ending.get(ending) if ending is not None else None
+        if own is None:
+            ending = None   # the pool's table
+        own_version = own.version if own is not None else -1
+        got = self._tables.get(ending)
+        if got is not None and got[0] == pool.version and got[1] == own_version:
+            return got[2]
+        scale = _WAIT_PRIOR / pool.total if own is not None and pool.total > 0 else 1.0
+        cum = [0.0]
+        acc = 0.0
+        for i, c in enumerate(pool.counts):
+            acc += c * scale + (own.counts[i] if own is not None else 0.0)
+            cum.append(acc)
+        self._tables[ending] = (pool.version, own_version, cum)
+        return cum
+
+    def next_call(self, ending: Hashable | None, idle: float, horizon: float) -> tuple[float, float] | None:
+        """For a session idle `idle` seconds after a call that ended as `ending`: (the probability
+        that it calls within the next `horizon` seconds, the expected wait until then if it does);
+        None until `_WAIT_MIN` waits were seen. Waits are taken as spread evenly within a bin."""
+        if self._pool.total < _WAIT_MIN:
+            return None
+        cum = self._table(ending)
+        edges = _EDGES
+        top = idle + horizon
+        beyond = cum[-1]   # mass of waits longer than `idle` (expired ones included)
+        within = 0.0
+        spent = 0.0        # their waits past `idle`, summed
+        for i in range(_WAIT_BINS):
+            lo, hi = edges[i], edges[i + 1]
+            if hi <= idle:
+                beyond -= cum[i + 1] - cum[i]
+                continue
+            if lo >= top:
+                break
+            mass = cum[i + 1] - cum[i]
+            if lo < idle:
+                part = mass * (hi - idle) / (hi - lo)
+                beyond -= mass - part
+                mass, lo = part, idle
+            if hi > top:
+                mass *= (top - lo) / (hi - lo)
+                hi = top
+            within += mass
+            spent += mass * (0.5 * (lo + hi) - idle)
+        if beyond <= 0.0 or within <= 0.0:
+            return 0.0, horizon
+        return min(1.0, within / beyond), max(spent / within, 1e-3)
+
+
 class Traffic:
     """The measurements; written through the methods below (by the policy), read by the scorer."""
 
-    __slots__ = ("step_s", "new_session_share", "duration", "think", "current_anchor", "dead_reuse",
+    __slots__ = ("step_s", "new_session_share", "duration", "think", "waits", "current_anchor", "dead_reuse",
                  "_steps", "_arrivals", "_elapsed", "_last_arrival_at", "_dead_blocks", "_dead_reused",
                  "_spent", "_spent_reused", "_outputs_checked", "_outputs_carried")
 
@@ -91,6 +235,7 @@ class Traffic:
         self.new_session_share = 0.0  # share of calls that open a session (EMA)
         self.duration = Timing(1.0)   # seconds a call of an agent takes
         self.think = Timing(1.0, typical=True)   # seconds from a call's end to the session's next call
+        self.waits = WaitSurvival()   # the same for sessions without a known agent, by how calls end
         self.current_anchor: dict[str, int] = {}  # agent -> its newest anchor version (node) in use
         self.dead_reuse = 0.0         # share of expired sessions' context blocks used again
         self._steps = 0               # gaps averaged into step_s
