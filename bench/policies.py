@@ -19,13 +19,14 @@ class CacheScoutReplay(ReplayPolicy):
     """CacheScout's policy core steering the GPU prefix cache's eviction order."""
 
     def __init__(self, config: PolicyConfig | None = None, *, hints: bool = False, tokens: bool = True,
-                 prefetch: bool = True, name: str = "cachescout") -> None:
+                 prefetch: bool = True, endings: bool = True, name: str = "cachescout") -> None:
         self.name = name
         self.now = 0.0
         self.core = CacheScoutPolicy(config, clock=lambda: self.now)
         self.hints = hints
         self.tokens = tokens  # False: block hashes only, as a trace without token ids gives
         self.do_prefetch = prefetch
+        self.endings = endings  # False: no call's ending is passed (a server whose outputs all end alike)
         self._planned_at = -1.0
         # prefetched key -> (the agent, the session) it was planned for
         self._agent_of: dict[Hashable, tuple[str | None, Hashable | None]] = {}
@@ -92,11 +93,13 @@ class CacheScoutReplay(ReplayPolicy):
         call = req.call
         if hasattr(call, "output"):
             if self.tokens:
-                self.core.finish(req, now, output_tokens=call.output, ending=output_ending(call.output))
+                ending = output_ending(call.output) if self.endings else None
+                self.core.finish(req, now, output_tokens=call.output, ending=ending)
             else:
                 self.core.finish(req, now)
         else:
-            self.core.finish(req, now, output_chunks=call.output_chunks if self.tokens else None, ending=call.end)
+            ending = call.end if self.endings else None
+            self.core.finish(req, now, output_chunks=call.output_chunks if self.tokens else None, ending=ending)
 
 
 def guard_gain(policy: ReplayPolicy) -> float | None:
@@ -114,6 +117,8 @@ REGISTRY: dict[str, Callable[[PolicyConfig, Sequence[Session]], ReplayPolicy]] =
     "cachescout-hints": lambda cfg, sessions: CacheScoutReplay(cfg, hints=True, name="cachescout-hints"),
     "cachescout-hashonly": lambda cfg, sessions: CacheScoutReplay(cfg, tokens=False, name="cachescout-hashonly"),
     "cachescout-noprefetch": lambda cfg, sessions: CacheScoutReplay(cfg, prefetch=False, name="cachescout-noprefetch"),
+    # No call's ending passed: sessions without a known agent are judged by the waits of all calls.
+    "cachescout-noendings": lambda cfg, sessions: CacheScoutReplay(cfg, endings=False, name="cachescout-noendings"),
     # Never confident: LRU order with queued requests' blocks kept last, what CacheScout does
     # without its model (so the model's own part is `cachescout` against this).
     "cachescout-unsure": lambda cfg, sessions: CacheScoutReplay(dataclasses.replace(cfg, min_confidence=1.0),

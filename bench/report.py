@@ -117,7 +117,8 @@ calls, cache sizes and run.
 - **Policies**: `lru` (vanilla vLLM), `lmcache-lru` (vLLM with LMCache's LRU tiers), `continuum`
   (pins a finished call's KV through the tool call for a TTL), `kvflow` (steps-to-execution priority
   and prefetch from the *true* workflow graph, agents, sessions and anchors), `cachescout` (given
-  nothing but block hashes and token ids), `cachescout-noprefetch`, `cachescout-hints` (the framework
+  nothing but block hashes and token ids), `cachescout-noprefetch`, `cachescout-noendings` (no call's ending
+  passed: sessions without a known agent are judged by the waits of all calls), `cachescout-hints` (the framework
   also passes agent and session ids), `cachescout-hashonly` (block hashes only, as a trace without
   token ids gives), `cachescout-unsure` (never confident in its model: LRU order with queued
   requests' blocks kept last), `belady`. How the competitors are modelled: `bench/baselines.py`.

@@ -12,7 +12,10 @@ moment ago is about as likely to call soon), and a session's own prediction is b
 time it has idled already, as LRU would judge it. So each session
 gives each agent a use rate, P(use) / expected time to it; an agent's anchor is used at the sum of
 those rates over live sessions plus the sessions expected to arrive, a session's context under an
-agent only at that session's rate. Blocks a context's later call left out (spent) are used at the
+agent only at that session's rate. A session in which no agent was recognised has no chain to
+predict from: its context is used at the chance that it calls within the cache's residence time,
+given how long it has waited and how its last call ended, over the expected wait until then
+(`Traffic.waits`, learned from such sessions' waits). Blocks a context's later call left out (spent) are used at the
 rate LRU's order gives them times the share of such blocks seen used again. A group's predicted
 time to next use is 1 / rate, weighed by
 what losing its next victim costs: shorter for a block deep in a long prompt where attention's
