@@ -743,3 +743,16 @@ def test_vllms_scheduler_prices_attention_as_the_fast_replay_does():
         (call,) = VllmReplay(cfg, "lru").run(sessions).calls
         ttft[coef] = call.first_token_at - call.issued_at
     assert ttft[1e-9] - ttft[0.0] == pytest.approx(1e-9 * 20000 * 19999 / 2)
+
+
+def test_the_connector_passes_how_each_call_ended_to_the_policy():
+    """Inside vLLM's scheduler the policy learns a session's wait keyed by the call's last output
+    tokens (`output_ending`): here a conversation with no agent, whose calls end in token 5."""
+    sched, run = _driven_scheduler(64, {})
+    policy = sched.connector.policy
+    prompt = list(range(100, 164))
+    run("c0", prompt)
+    run("c1", prompt + [5] + list(range(2000, 2040)))   # continues it: the same session
+    waits = policy.inspect().traffic.waits
+    assert waits.seen > 0.99
+    assert list(waits._by_ending) == [(5,)]
