@@ -248,10 +248,10 @@ and then variations of them (every wait, think time or open-loop gap, scaled by 
 factor within ±{spread:.0%}, seeded), every policy on the same ones; `LRU spread` is LRU's standard deviation
 over them, `±` the standard error of the paired difference in hit rate, and the `±` after a TTFT
 change the standard error of that policy's TTFT ratio to LRU's over the same timings. One replay's
-ratio is one draw: on the attention-priced cell of 16 conversations, seed 1, closed loop, LRU at
-90%, eight timings (`--closed 16 --open "" --seeds 1 --targets 0.9 --jitters 8 --cost-profile
-llama3.1-8b-h200-attention`) give CacheScout 1.04x LRU's mean TTFT on the recorded waits and
-0.92x-0.97x on the seven variations (0.96x over all eight).
+ratio is one draw: the cell of 32 conversations, seed 3, closed loop (LRU at 88%), reads 1.027x
+LRU's mean TTFT over its three timings below; eight timings (`--closed 32 --open "" --seeds 3
+--targets 0.75 --policies lru,cachescout,cachescout-unsure --jitters 8`, 2026-12-06) give 0.84x to
+1.15x per timing, 0.952x over all eight, and +0.35 points of hits.
 `bound` is Belady over each run's own calls, the most of the
 cell's runs: it bounds GPU-tier hits. With a CPU tier, `hit` counts every tier, which that bound
 does not cover (LMCache's copies add hits beyond it); `bound (all tiers)` is Belady over each run's
