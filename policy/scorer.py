@@ -67,6 +67,16 @@ def _next_call(s: Session, now: float, think: float, duration: float, regular: f
     return wait, math.exp(-max(0.0, idle - 2.0 * think) / think)
 
 
+def _as_expired(g: Group, now: float, dead_reuse: float) -> float:
+    """The use rate of a context whose session expired: one use per idle time of its youngest
+    free block (the session's last use), as LRU's order implies, times the share of expired
+    sessions' context blocks used again (0 where workflows run their course)."""
+    tail = g.tail
+    if dead_reuse <= 0.0 or tail is None:
+        return 0.0
+    return dead_reuse / (max(now - tail.freed_at, 0.0) + 1e-3)
+
+
 def _protect(parent: Group, child: Group, now: float) -> None:
     """Give `parent` its child's score where that keeps it longer. Compared by eviction key (see
     eviction.py) at the age of the parent's free head, so that a child on plain LRU order
@@ -313,10 +323,7 @@ class SurvivalScorer:
                     # are used again after all (a chat's next turn may come as a session of its
                     # own) are used as LRU would expect, only that much less often: the rate
                     # LRU's order implies (one use per idle time) times that share.
-                    rate, conf = 0.0, conf_all
-                    tail = g.tail      # its youngest free block: the session's last use (below)
-                    if dead_reuse > 0.0 and tail is not None:
-                        rate = dead_reuse / (max(now - tail.freed_at, 0.0) + 1e-3)
+                    rate, conf = _as_expired(g, now, dead_reuse), conf_all
                 elif ses.agent is None and agent is None:
                     # A session whose calls no agent was recognised in (each conversation its
                     # own prompt, as in coding agents' traffic): its next call continues this
@@ -430,10 +437,7 @@ class SurvivalScorer:
         if got is None:
             return 0.0, 0.0
         p, wait = got
-        rate = p / (wait + ahead)
-        tail = g.tail
-        if dead_reuse > 0.0 and tail is not None:
-            rate = max(rate, dead_reuse / (max(now - tail.freed_at, 0.0) + 1e-3))
+        rate = max(p / (wait + ahead), _as_expired(g, now, dead_reuse))
         conf = waits.seen / (waits.seen + _WAITS_HALF_CONFIDENT)
         return rate, conf if conf >= self.cfg.min_confidence else 0.0
 
