@@ -136,7 +136,7 @@ class CacheScoutPolicy:
         self._traffic = Traffic()
         self._scorer = SurvivalScorer(cfg, self._chain, self._sessions, self._cost, self._traffic)
         self._planner = PrefetchPlanner(cfg, self._cost)
-        self._guard = LruGuard(per_depth=self._cost.per_depth)
+        self._guard = LruGuard(per_depth=self._cost.per_depth, backed_value=self._cost.backed_value("cpu"))
         self._prefetched: dict[Hashable, None] = {}   # prefetched blocks not yet used or evicted
         self._prefetch_used = 0.0                      # decayed counts of those judged
         self._prefetch_judged = 0.0
@@ -627,6 +627,7 @@ class CacheScoutPolicy:
     def block_backed(self, key: Hashable, backed: bool = True) -> None:
         """A lower tier now holds (or lost) a copy of this block."""
         self._index.set_backed(key, backed)
+        self._guard.backed(key, backed)
 
     # -- decisions ----------------------------------------------------------------------------
     def victims(self, n: int, now: float | None = None) -> list[Hashable]:

@@ -14,8 +14,13 @@ shadow then hold the same sampled blocks.
 Over windows of sampled accesses (2048, or 256 requests' worth), the real cache's hits on the same
 sampled blocks (those within the prefix it really hit) are compared with the shadow's: that
 difference is CacheScout's measured gain over plain LRU. Where attention's cost is priced
-(`per_depth`), each sampled block weighs what recomputing it costs at its position in the prompt:
-the comparison is of seconds saved, the measure the scorer weighs its order by.
+(`per_depth`), each sampled block weighs what recomputing it costs at its position in the prompt,
+and where a lower tier holds a copy of it (LMCache's CPU tier, as the connector or the replay
+reports it: `backed`), no more than loading it: the comparison is of seconds saved, the measure
+the scorer weighs its order by (a model that lets copied blocks go to keep the ones nowhere else
+trades hits for time, and counted by hits it would look worse than LRU). The lower tier is filled
+the same whatever the GPU's order keeps (LMCache stores every prompt), so a block's weight is the
+same for both orders.
 
 A sampled shadow is an estimate, and on traffic whose prompts are a few long conversations (every
 request hits or misses hundreds of sampled blocks together) a noisy one; where requests have few
@@ -55,6 +60,7 @@ _SIGNIFICANT: Final = 2.0         # standard errors below LRU at which that mean
 _PROVEN: Final = 4                # trusted windows, clearly above LRU, before the backoff halves
 _MAX_BACKOFF: Final = 64          # most windows spent on plain LRU before the model is tried again
 _BLOCKS_PER_SAMPLED_REQUEST: Final = 12   # `resample`: sampled blocks wanted per request at least
+_MAX_BACKED: Final = 1 << 20      # sampled blocks with a lower tier's copy followed at most (more: recomputed)
 
 
 _RELEASE_BITS: Final = 40
@@ -112,11 +118,14 @@ class _FreeOrder:
 
 
 class LruGuard:
-    def __init__(self, sample: int = SAMPLE, per_depth: float = 0.0) -> None:
+    def __init__(self, sample: int = SAMPLE, per_depth: float = 0.0, backed_value: float = 1.0) -> None:
         self.sample = sample          # one block in `sample` (by key hash) is simulated
         # Hits are compared by what they save: a block at prompt position i weighs 1 + per_depth * i
-        # (its recompute, where attention is priced: `RebuildCost.depth_factor`), else 1.
+        # (its recompute, where attention is priced: `RebuildCost.depth_factor`), else 1; a block a
+        # lower tier holds a copy of weighs at most `backed_value` (its load: `RebuildCost.backed_value`).
         self.per_depth = per_depth
+        self.backed_value = backed_value
+        self._backed: set[Hashable] = set()   # sampled blocks a lower tier holds, on the GPU or not
         self._held: set[Hashable] = set()                  # sampled blocks in use: never evicted
         self._free = _FreeOrder()         # sampled free blocks, LRU first
         # Sampled blocks a queued request will hit (how many want each), and those of them that are
@@ -161,6 +170,7 @@ class LruGuard:
             self._wanted.clear()
             self._wanted_free.clear()
             self._resident.clear()
+            self._backed.clear()   # followed again as the tier reports its copies
             self._ours = self._lru = self._seen = self._requests = 0
             self._w_ours = self._w_lru = self._w_seen = 0.0
 
@@ -176,6 +186,7 @@ class LruGuard:
         seen, ours, lru = self._seen, self._ours, self._lru
         compared = len(keys) if hittable is None else hittable
         per_depth = self.per_depth
+        backed = self._backed
         for i in range(len(keys)):
             key = keys[i]
             if hash(key) % sample:
@@ -188,6 +199,8 @@ class LruGuard:
                 self._lru += prefix_lru
                 self._ours += i < num_cached
                 w = 1.0 + per_depth * i
+                if backed and key in backed and self.backed_value < w:
+                    w = self.backed_value
                 self._w_seen += w
                 if prefix_lru:
                     self._w_lru += w
@@ -203,6 +216,18 @@ class LruGuard:
         if (self._seen >= _WINDOW and self._requests >= _WINDOW_REQUESTS) or (
                 self._requests >= _WINDOW_MAX_REQUESTS and self._seen >= _WINDOW_MIN):
             self._close_window()
+
+    def backed(self, key: Hashable, held: bool) -> None:
+        """A lower tier gained (`held`) or lost its copy of a block, cached on the GPU or not: a
+        miss on it costs a load rather than a recompute, for either order (the lower tier is
+        filled the same whatever the GPU's order keeps)."""
+        if hash(key) % self.sample:
+            return
+        if held:
+            if len(self._backed) < _MAX_BACKED:
+                self._backed.add(key)
+        else:
+            self._backed.discard(key)
 
     def filled(self, keys: Sequence[Hashable]) -> None:
         """Blocks a request computed while decoding (cached from now on)."""

@@ -266,3 +266,49 @@ def test_where_depth_is_priced_the_guard_compares_what_hits_save():
     # LRU's 8 shallow hits save 36 block-recomputes, ours' 4 deep ones 250.
     assert by_cost.cuts == 0 and len(by_cost.windows) == 2 and all(w > 0 for w in by_cost.windows)
     assert by_cost.counters()["guard_hits"] < by_cost.counters()["guard_lru_hits"]   # counts stay counts
+
+
+def _backed_for_unbacked(guard: LruGuard, windows: int, drop_copies: bool = False) -> None:
+    """Pairs of requests: one whose 8 blocks a lower tier holds, which the shadow hits and our cache
+    misses (it loads them), and one of 8 blocks nowhere else, which our cache hits whole and the
+    shadow only its first 4 of: 4 more hits for LRU, but ours are the ones that save a recompute."""
+    for _ in range(windows * (guard_mod._WINDOW // 16 + 1)):
+        copied, alone = _sampled_keys(8), _sampled_keys(8)
+        for key in copied:
+            guard.backed(key, True)
+            if drop_copies:
+                guard.backed(key, False)   # the tier dropped it again before the call came
+        for keys, shadow_holds, ours in ((copied, copied, 0), (alone, alone[:4], 8)):
+            for key in shadow_holds:
+                guard._free.add(key, 0)
+            guard.accessed(keys, ours)
+            guard.released(keys)
+
+
+def test_where_a_lower_tier_holds_copies_the_guard_prices_misses_on_them_as_loads():
+    by_count = LruGuard()                          # a guard that knows no lower tier
+    _backed_for_unbacked(by_count, 2)
+    assert by_count.cuts == 1 and by_count.windows[0] < 0
+    by_cost = LruGuard(backed_value=0.13)          # a load costs 13% of a recompute (the H200 profile's)
+    _backed_for_unbacked(by_cost, 2)
+    # LRU's 8 hits on copies save 8 loads (1.04 recomputes) and 4 recomputes; ours save 8 recomputes.
+    assert by_cost.cuts == 0 and len(by_cost.windows) == 2 and all(w > 0 for w in by_cost.windows)
+    assert by_cost.counters()["guard_hits"] < by_cost.counters()["guard_lru_hits"]   # counts stay counts
+    dropped = LruGuard(backed_value=0.13)          # copies the tier dropped cost a recompute again
+    _backed_for_unbacked(dropped, 2, drop_copies=True)
+    assert dropped.cuts == 1 and dropped.windows[0] < 0
+
+
+def test_the_guard_follows_the_cpu_tiers_copies_of_sampled_blocks():
+    """The guard's view of which sampled blocks a lower tier holds is the CPU tier's, block for
+    block, through a replay with LMCache's tiers (copies stored, refreshed and dropped)."""
+    sessions, _ = load_trace(CONVERSATIONS, TraceOptions())
+    bs = sessions[0].calls[0].block_size
+    policy = make_policy("cachescout", PolicyConfig(block_size=bs))
+    assert isinstance(policy, CacheScoutReplay)
+    engine = Engine(EngineConfig(gpu_blocks=3000, cpu_blocks=1500, block_size=bs), policy)
+    engine.run(sessions)
+    g = policy.core.inspect().guard
+    assert engine.cpu is not None and len(engine.cpu.keys) == 1500      # the tier filled and dropped
+    in_tier = {k for k in engine.cpu.keys if not hash(k) % g.sample}
+    assert in_tier and g._backed == in_tier
