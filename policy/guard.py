@@ -60,7 +60,7 @@ _SIGNIFICANT: Final = 2.0         # standard errors below LRU at which that mean
 _PROVEN: Final = 4                # trusted windows, clearly above LRU, before the backoff halves
 _MAX_BACKOFF: Final = 64          # most windows spent on plain LRU before the model is tried again
 _BLOCKS_PER_SAMPLED_REQUEST: Final = 12   # `resample`: sampled blocks wanted per request at least
-_MAX_BACKED: Final = 1 << 20      # sampled blocks with a lower tier's copy followed at most (more: recomputed)
+_MAX_BACKED: Final = 1 << 20      # blocks with a lower tier's copy followed at most (more: recomputed)
 
 
 _RELEASE_BITS: Final = 40
@@ -125,7 +125,10 @@ class LruGuard:
         # lower tier holds a copy of weighs at most `backed_value` (its load: `RebuildCost.backed_value`).
         self.per_depth = per_depth
         self.backed_value = backed_value
-        self._backed: set[Hashable] = set()   # sampled blocks a lower tier holds, on the GPU or not
+        # Blocks a lower tier holds, on the GPU or not: every one until `resample` has settled the
+        # sample (a block sampled then may have been stored long before), the sampled ones after.
+        self._backed: set[Hashable] = set()
+        self._resampled = False
         self._held: set[Hashable] = set()                  # sampled blocks in use: never evicted
         self._free = _FreeOrder()         # sampled free blocks, LRU first
         # Sampled blocks a queued request will hit (how many want each), and those of them that are
@@ -163,6 +166,8 @@ class LruGuard:
         request gives the shadow a dozen sampled blocks or more (never sparser than it was); the
         shadow starts over."""
         rate = max(1, min(self.sample, int(blocks_per_request // _BLOCKS_PER_SAMPLED_REQUEST)))
+        self._resampled = True
+        self._backed = {k for k in self._backed if not hash(k) % rate}
         if rate != self.sample:
             self.sample = rate
             self._held.clear()
@@ -170,7 +175,6 @@ class LruGuard:
             self._wanted.clear()
             self._wanted_free.clear()
             self._resident.clear()
-            self._backed.clear()   # followed again as the tier reports its copies
             self._ours = self._lru = self._seen = self._requests = 0
             self._w_ours = self._w_lru = self._w_seen = 0.0
 
@@ -221,7 +225,7 @@ class LruGuard:
         """A lower tier gained (`held`) or lost its copy of a block, cached on the GPU or not: a
         miss on it costs a load rather than a recompute, for either order (the lower tier is
         filled the same whatever the GPU's order keeps)."""
-        if hash(key) % self.sample:
+        if self._resampled and hash(key) % self.sample:
             return
         if held:
             if len(self._backed) < _MAX_BACKED:

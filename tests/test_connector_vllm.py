@@ -391,6 +391,10 @@ def test_lower_tiers_modelled_beside_the_connector_agree_with_the_fast_replay(sh
         assert got["cpu_token_hit_rate"] + got["redis_token_hit_rate"] > 0.01, got
         if replay.connector is not None:
             assert len(cpu_tier.tier.keys) == cfg.cpu_blocks   # full: the run stored more than it holds
+            # The LRU guard prices misses by that model's copies: it follows them block for block.
+            guard = replay.connector.scheduler_side.policy.inspect().guard
+            sampled = {k for k in cpu_tier.tier.keys if not hash(k) % guard.sample}
+            assert {k for k in guard._backed if not hash(k) % guard.sample} == sampled != set()
         assert got["token_hit_rate"] > got["gpu_token_hit_rate"]
         assert abs(got["token_hit_rate"] - fast["token_hit_rate"]) <= 0.02, (policy, got, fast)
         assert replay.pool_all_free()
