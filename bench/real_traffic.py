@@ -13,6 +13,13 @@ alone. So each cell is replayed `jitters` times, the recorded waits and then var
 (every wait scaled by its own factor within +-`wait_spread`, `workloads.waits_varied`), every
 policy on the same ones, and reported as the mean; `spread` is LRU's standard deviation across
 them, the noise any difference must be read against. GPU tier only unless `cpu_ratio`.
+
+With `max_jitters` above `jitters`, a cell whose verdict for the `decide` policy is still open after
+its `jitters` timings gets further ones, one at a time, up to `max_jitters`. The verdict is the one
+the summary gives: hit rate not more than 0.2 points below the base's, mean TTFT not above 1.02x
+its. It is open while either figure is within two standard errors of its threshold, on either side
+(so a cell that looks good but is as noisy gets more timings too); the rule looks at the noise
+around the threshold, never at which side a cell falls.
 """
 
 from __future__ import annotations
@@ -55,6 +62,14 @@ class Cell:
     window_s: float
     cost_profile: str = DEFAULT_COST_PROFILE
     wait_spread: float = WAIT_SPREAD
+    max_jitters: int = 0        # above `jitters`: further timings while `decide`'s verdict is open
+    decide: str | None = None
+
+
+# The summary's thresholds: a policy is no worse than the base in a cell when its hit rate is not
+# more than HIT_MARGIN below the base's and its mean TTFT not above TTFT_MARGIN times the base's.
+HIT_MARGIN = 0.002
+TTFT_MARGIN = 1.02
 
 
 def run_cell(cell: Cell) -> dict[str, Any]:
@@ -70,8 +85,12 @@ def run_cell(cell: Cell) -> dict[str, Any]:
     runs: dict[str, list[dict[str, float]]] = {p: [] for p in cell.policies}
     bounds = []
     tier_bounds = []   # with a CPU tier: on hits in any tier
-    for j in range(cell.jitters):
+    base_name = "lmcache-lru" if "lmcache-lru" in runs else "lru"
+    j = 0
+    while j < cell.jitters or (j < cell.max_jitters and cell.decide in runs and base_name in runs
+                               and verdict_open(runs[cell.decide], runs[base_name])):
         varied = waits_varied(sessions, j, cell.wait_spread)
+        j += 1
         best = best_tiers = 0.0
         for name in cell.policies:
             policy = make_policy(name, cfg, varied)
@@ -93,22 +112,44 @@ def run_cell(cell: Cell) -> dict[str, Any]:
         tier_bounds.append(best_tiers)
     out: dict[str, Any] = {"count": cell.count, "seed": cell.seed, "loop": cell.loop, "target": cell.target,
                            "gpu_blocks": blocks, "cpu_blocks": cpu, "calls": sum(len(s.calls) for s in sessions),
-                           "bound_gpu_hit_rate": statistics.fmean(bounds), "policies": {}}
+                           "bound_gpu_hit_rate": statistics.fmean(bounds), "policies": {},
+                           "timings": j, "timings_allowed": max(cell.jitters, cell.max_jitters)}
     if cpu:
         out["bound_hit_rate"] = statistics.fmean(tier_bounds)
     for name, rs in runs.items():
         agg = mean_of_runs(rs)
         agg["runs"] = rs
         out["policies"][name] = agg
-    base_name = "lmcache-lru" if "lmcache-lru" in runs else "lru"
     lru = runs.get(base_name)
     if lru and len(lru) > 1:
         out["lru_spread"] = statistics.stdev(r["token_hit_rate"] for r in lru)
         # Each policy against LRU on the same timings: the mean difference and its standard error.
         for name, rs in runs.items():
-            d = [a["token_hit_rate"] - b["token_hit_rate"] for a, b in zip(rs, lru, strict=True)]
-            out["policies"][name]["paired_se"] = statistics.stdev(d) / math.sqrt(len(d))
+            out["policies"][name]["paired_se"] = hit_difference(rs, lru)[1]
     return out
+
+
+def hit_difference(runs: Sequence[dict[str, float]], base: Sequence[dict[str, float]]) -> tuple[float, float | None]:
+    """A policy's mean hit rate minus the base's over the same timings, and the standard error of
+    that paired difference (None for fewer than two)."""
+    d = [a["token_hit_rate"] - b["token_hit_rate"] for a, b in zip(runs, base, strict=True)]
+    return statistics.fmean(d), (statistics.stdev(d) / math.sqrt(len(d)) if len(d) > 1 else None)
+
+
+def ttft_ratio(runs: Sequence[dict[str, float]], base: Sequence[dict[str, float]]) -> float:
+    """A policy's mean TTFT over its timings as a multiple of the base's (1.0 where the base's is 0)."""
+    b = statistics.fmean(r["ttft_mean_ms"] for r in base)
+    return statistics.fmean(r["ttft_mean_ms"] for r in runs) / b if b else 1.0
+
+
+def verdict_open(runs: Sequence[dict[str, float]], base: Sequence[dict[str, float]]) -> bool:
+    """Whether the timings so far leave the summary's verdict undecided: the hit difference or the
+    TTFT ratio within two standard errors of its threshold (either side), or too few timings to say."""
+    diff, diff_se = hit_difference(runs, base)
+    ratio_se = ttft_ratio_se(runs, base)
+    if diff_se is None or ratio_se is None:
+        return True
+    return abs(diff + HIT_MARGIN) < 2 * diff_se or abs(ttft_ratio(runs, base) - TTFT_MARGIN) < 2 * ratio_se
 
 
 def mean_of_runs(runs: Sequence[dict[str, float]]) -> dict[str, Any]:
@@ -120,8 +161,10 @@ def mean_of_runs(runs: Sequence[dict[str, float]]) -> dict[str, Any]:
 
 def matrix(trace: str, counts: dict[str, Sequence[int]], seeds: Sequence[int], targets: Sequence[float],
            policies: Sequence[str], jitters: int, cpu_ratio: float, window_s: float,
-           cost_profile: str = DEFAULT_COST_PROFILE, wait_spread: float = WAIT_SPREAD) -> list[Cell]:
-    return [Cell(trace, n, seed, loop, t, tuple(policies), jitters, cpu_ratio, window_s, cost_profile, wait_spread)
+           cost_profile: str = DEFAULT_COST_PROFILE, wait_spread: float = WAIT_SPREAD,
+           max_jitters: int = 0, decide: str | None = None) -> list[Cell]:
+    return [Cell(trace, n, seed, loop, t, tuple(policies), jitters, cpu_ratio, window_s, cost_profile, wait_spread,
+                 max_jitters, decide)
             for loop, ns in counts.items() for n in ns for seed in seeds for t in targets]
 
 
@@ -140,22 +183,24 @@ def distinct(cells: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[di
 
 def summarize(cells: list[dict[str, Any]], ours: str = "cachescout", base: str = "lru") -> dict[str, Any]:
     """The worst and mean differences of `ours` against `base` over every cell."""
-    diffs, ratios, p99, precision, gains, worse, below, slower, clearly_slower = [], [], [], [], [], 0, 0, 0, 0
+    diffs, ratios, p99, precision, gains = [], [], [], [], []
+    worse = below = slower = clearly_slower = undecided = 0
     for c in cells:
         a, b = c["policies"].get(ours), c["policies"].get(base)
         if a is None or b is None:
             continue
         d = a["token_hit_rate"] - b["token_hit_rate"]
         diffs.append(d)
-        below += d < -0.002
+        below += d < -HIT_MARGIN
         # Below LRU by more than 0.2 points beyond two standard errors of the paired difference.
-        worse += d + 2 * a.get("paired_se", 0.0) < -0.002
+        worse += d + 2 * a.get("paired_se", 0.0) < -HIT_MARGIN
         ratio = a["ttft_mean_ms"] / b["ttft_mean_ms"] if b["ttft_mean_ms"] else 1.0
         ratios.append(ratio)
-        slower += ratio > 1.02
+        slower += ratio > TTFT_MARGIN
         # Above 1.02x beyond two standard errors of the ratio over the cell's timings.
         se = ttft_ratio_se(a["runs"], b["runs"]) if "runs" in a and "runs" in b else None
-        clearly_slower += ratio - 2 * (se or 0.0) > 1.02
+        clearly_slower += ratio - 2 * (se or 0.0) > TTFT_MARGIN
+        undecided += "runs" in a and "runs" in b and verdict_open(a["runs"], b["runs"])
         p99.append(a["ttft_p99_ms"] / b["ttft_p99_ms"] if b["ttft_p99_ms"] else 1.0)
         if "prefetch_precision" in a:
             precision.append(a["prefetch_precision"])
@@ -165,7 +210,7 @@ def summarize(cells: list[dict[str, Any]], ours: str = "cachescout", base: str =
         return {}
     out = {"policy": ours, "against": base, "cells": len(diffs),
            "cells_below_by_0.2pt": below, "cells_clearly_worse": worse, "cells_ttft_over_1.02x": slower,
-           "cells_ttft_clearly_over_1.02x": clearly_slower,
+           "cells_ttft_clearly_over_1.02x": clearly_slower, "cells_undecided": undecided,
            "hit_difference_min": min(diffs), "hit_difference_mean": statistics.fmean(diffs),
            "hit_difference_max": max(diffs),
            "ttft_ratio_max": max(ratios), "ttft_ratio_mean": statistics.fmean(ratios),
@@ -187,6 +232,11 @@ def ttft_ratio_se(runs: Sequence[dict[str, float]], base: Sequence[dict[str, flo
 def format_cells(cells: list[dict[str, Any]], policies: Sequence[str]) -> str:
     base = "lmcache-lru" if "lmcache-lru" in policies else "lru"
     cols = ["loop", "conv.", "seed", "GPU blocks", "LRU spread"]
+    # Where cells could take further timings (--max-jitters), how many each took.
+    timed = any(c.get("timings_allowed", 0) > c.get("timings", 0) for c in cells) or len(
+        {c.get("timings") for c in cells}) > 1
+    if timed:
+        cols.append("timings")
     for p in policies:
         cols += [p] if p == base else [p, "TTFT"]
     tiers = any("bound_hit_rate" in c for c in cells)
@@ -196,6 +246,8 @@ def format_cells(cells: list[dict[str, Any]], policies: Sequence[str]) -> str:
         ref = c["policies"][base]
         row = [c["loop"], str(c["count"]), str(c["seed"]), f"{c['gpu_blocks']:,}",
                f"{100 * c['lru_spread']:.2f} pt" if "lru_spread" in c else "-"]
+        if timed:
+            row.append(str(c.get("timings", "-")))
         for p in policies:
             r = c["policies"][p]
             if p == base:
@@ -221,6 +273,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policies", default="lru,cachescout,belady")
     p.add_argument("--jitters", type=int, default=3,
                    help="timings each cell is replayed under: the recorded waits, then variations of them")
+    p.add_argument("--max-jitters", type=int, default=0,
+                   help="up to this many timings for a cell whose verdict for --decide against LRU (hits within "
+                        "0.2 points, mean TTFT within 1.02x) is within two standard errors after --jitters")
+    p.add_argument("--decide", default="cachescout", help="the policy whose verdict --max-jitters settles")
     p.add_argument("--wait-spread", type=float, default=WAIT_SPREAD,
                    help="each variation scales every wait by its own random factor within 1 +- this")
     p.add_argument("--cpu-ratio", type=float, default=0.0, help="LMCache CPU tier as a multiple of the GPU cache")
@@ -247,6 +303,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"choose from {', '.join(sorted(REGISTRY))}")
     if args.jitters < 1:
         p.error(f"--jitters must be an integer >= 1, got {args.jitters}")
+    if args.max_jitters and args.max_jitters < args.jitters:
+        p.error(f"--max-jitters must be 0 (off) or at least --jitters ({args.jitters}), got {args.max_jitters}")
+    base = "lmcache-lru" if "lmcache-lru" in policies else "lru"
+    if args.max_jitters > args.jitters and (args.decide not in policies or args.decide == base or base not in policies):
+        p.error(f"--decide must name a policy of --policies other than {base} (which must be there too) "
+                f"for --max-jitters; got {args.decide!r}, policies {', '.join(policies)}")
     if not (0.0 <= args.wait_spread < 1.0):
         p.error(f"--wait-spread must be a share within [0, 1), got {args.wait_spread}")
     if not targets or not all(0 < t < 1 for t in targets):
@@ -259,12 +321,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--cost-profile: {e}")
     if not os.path.isdir(args.trace):
         p.error(f"--trace {args.trace}: not a folder of conversation files")
+    # A bad folder, or one with fewer conversations than a mix asks for, fails here, not in a worker.
+    largest = max((n for ns in counts.values() for n in ns), default=1)
     try:
-        load_trace(args.trace, TraceOptions(conversations=1))   # a bad folder fails here, not in a worker
+        load_trace(args.trace, TraceOptions(conversations=largest))
     except ValueError as e:
-        p.error(f"--trace {args.trace}: {e}")
+        p.error(f"--trace {args.trace}: {e}" + (" (lower --closed/--open)" if largest > 1 else ""))
     cells = matrix(args.trace, counts, seeds, targets, policies, args.jitters, args.cpu_ratio, args.window,
-                   args.cost_profile, args.wait_spread)
+                   args.cost_profile, args.wait_spread, args.max_jitters, args.decide)
     t0 = time.time()
     results = []
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -280,7 +344,6 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{c['target']:.0%} (the largest call needs {c['gpu_blocks']:,} blocks, where LRU already hits "
               f"{c['policies'][policies[0]]['token_hit_rate']:.1%}); the cell is reported once", file=sys.stderr)
     print(format_cells(results, policies))
-    base = "lmcache-lru" if "lmcache-lru" in policies else "lru"
     summary = {name: summarize(results, ours=name, base=base) for name in policies if name != base}
     print(json.dumps(summary, indent=1))
     if args.json:

@@ -243,15 +243,11 @@ within 30 minutes, replayed closed-loop (each call its recorded think time after
 finished here) or open-loop (at the recorded times), the GPU cache sized where LRU hits 60, 75 and
 90%. A closed loop is chaotic: waits a few seconds apart reorder calls and change which context is
 evicted just before its conversation returns, which moves LRU's own hit rate by up to a point and
-its mean TTFT by several percent. So each cell is the mean of {jitters} timings, the recorded waits
+its mean TTFT by several percent. So each cell is the mean of {timings}, the recorded waits
 and then variations of them (every wait, think time or open-loop gap, scaled by its own random
 factor within ±{spread:.0%}, seeded), every policy on the same ones; `LRU spread` is LRU's standard deviation
 over them, `±` the standard error of the paired difference in hit rate, and the `±` after a TTFT
-change the standard error of that policy's TTFT ratio to LRU's over the same timings. One replay's
-ratio is one draw: the cell of 32 conversations, seed 3, closed loop (LRU at 88%), reads 1.027x
-LRU's mean TTFT over its three timings below; eight timings (`--closed 32 --open "" --seeds 3
---targets 0.75 --policies lru,cachescout,cachescout-unsure --jitters 8`, 2026-12-06) give 0.84x to
-1.15x per timing, 0.952x over all eight, and +0.35 points of hits.
+change the standard error of that policy's TTFT ratio to LRU's over the same timings.{settle}
 `bound` is Belady over each run's own calls, the most of the
 cell's runs: it bounds GPU-tier hits. With a CPU tier, `hit` counts every tier, which that bound
 does not cover (LMCache's copies add hits beyond it); `bound (all tiers)` is Belady over each run's
@@ -265,6 +261,13 @@ hits minus its shadow LRU's on the same calls, per sampled access. It sees what 
 the calls as they came, not what the order changes in *when* they come (closed loop; see
 [policy.md](policy.md#lru-guard-guardpy)).
 """
+SETTLE_TEXT = """ One replay's
+ratio is one draw (a closed loop's mean TTFT ratio moves by up to a fifth from one timing to the
+next), so a cell whose verdict on `{decide}` is still open after {jitters} timings gets more, one at a
+time, up to {max_jitters} (`--max-jitters`; `timings` says how many it took): open while its hit rate
+against LRU's is within two standard errors of 0.2 points below, or its mean TTFT ratio within two
+standard errors of 1.02x, on either side. The rule looks at the noise around the thresholds,
+not at which side a cell falls, and every policy of the cell runs on every timing."""
 REAL_RUN_TEXT = """{tiers}
 
 ```
@@ -314,6 +317,17 @@ def _points(share: float) -> str:
     return f"{round(100 * share, 2) + 0.0:+.2f}"
 
 
+def _settles(args: dict) -> bool:
+    """Whether a real-traffic run let cells take timings until their verdict was settled."""
+    return (args.get("max_jitters") or 0) > args["jitters"]
+
+
+def _timings(args: dict) -> str:
+    if _settles(args):
+        return f"{args['jitters']} to {args['max_jitters']} timings"
+    return f"{args['jitters']} timings"
+
+
 def real_traffic_section(report: dict, intro: bool = True) -> str:
     """The real-traffic matrix (bench/real_traffic.py's JSON) as a section of results.md; `intro`:
     with the text that says what the matrix is (the first of several matrices)."""
@@ -321,9 +335,11 @@ def real_traffic_section(report: dict, intro: bool = True) -> str:
 
     args = report["args"]
     policies = [x for x in args["policies"].split(",") if x]
-    flags = " ".join(f"--{k.replace('_', '-')} {args[k]}" for k in ("closed", "open", "seeds", "targets",
-                                                                    "policies", "jitters", "cpu_ratio", "cost_profile")
+    shown = ("closed", "open", "seeds", "targets", "policies", "jitters", "max_jitters", "cpu_ratio", "cost_profile")
+    flags = " ".join(f"--{k.replace('_', '-')} {args[k]}" for k in shown
                      if args.get(k) not in (None, "", 0, 0.0, DEFAULT_COST_PROFILE))
+    if _settles(args) and args.get("decide", "cachescout") != "cachescout":
+        flags += f" --decide {args['decide']}"
     command = f"python -m cachescout.bench.real_traffic --trace ../shared/traces/claude-code {flags}"
     tiers = (f"With LMCache's CPU tier at {args['cpu_ratio']:g}x the GPU cache: `hit` counts every tier."
              if args.get("cpu_ratio") else "GPU tier only.")
@@ -343,7 +359,10 @@ def real_traffic_section(report: dict, intro: bool = True) -> str:
                      " minutes: a queue that grows through the run)." if "attention" in args["cost_profile"] else "."))
     text = REAL_RUN_TEXT.format(tiers=tiers, command=command)
     if intro:
-        text = REAL_TEXT.format(jitters=args["jitters"], spread=args.get("wait_spread", WAIT_SPREAD)) + "\n" + text
+        text = REAL_TEXT.format(timings=_timings(args), settle=SETTLE_TEXT.format(
+                                    decide=args.get("decide", "cachescout"), jitters=args["jitters"],
+                                    max_jitters=args.get("max_jitters")) if _settles(args) else "",
+                                spread=args.get("wait_spread", WAIT_SPREAD)) + "\n" + text
     lines = [text,
              "```", format_cells(report["cells"], policies).rstrip(), "```", ""]
     for name, s in report["summary"].items():
@@ -360,6 +379,8 @@ def real_traffic_section(report: dict, intro: bool = True) -> str:
                if "cells_ttft_clearly_over_1.02x" in s else "")
             + f"); p99 TTFT {s['ttft_p99_ratio_mean']:.3f}x "
             f"(at most {s['ttft_p99_ratio_max']:.3f}x)"
+            + (f"; {s['cells_undecided']} cells with that verdict still open after {args['max_jitters']} timings"
+               if _settles(args) and name == args.get("decide", "cachescout") and "cells_undecided" in s else "")
             + (f"; prefetch precision {s['prefetch_precision_mean']:.0%}" if "prefetch_precision_mean" in s else "")
             + (f"; its guard's measure of the order alone (hits over its shadow LRU's, per sampled access) "
                f"{_points(s['guard_gain_mean'])} points on average ({_points(s['guard_gain_min'])} to "

@@ -76,9 +76,60 @@ def test_a_small_matrix_reports_every_policy_against_lru_and_the_bound(tmp_path,
     assert section.count("Measured ") == 1
 
 
+def _runs(hits, ttfts):
+    return [{"token_hit_rate": h, "ttft_mean_ms": t} for h, t in zip(hits, ttfts, strict=True)]
+
+
+def test_a_verdict_is_open_while_a_figure_is_within_two_standard_errors_of_its_threshold():
+    base = _runs([0.80, 0.81, 0.79], [100.0, 100.0, 100.0])
+    # Clearly better on both: decided.
+    assert not real_traffic.verdict_open(_runs([0.82, 0.83, 0.81], [90.0, 91.0, 89.0]), base)
+    # Clearly worse on hits: decided too (the rule settles a verdict, it does not look for a pass).
+    assert not real_traffic.verdict_open(_runs([0.78, 0.79, 0.77], [90.0, 91.0, 89.0]), base)
+    # TTFT 0.98x on average but moving by 10% from one timing to the next: open, though below 1.02x.
+    assert real_traffic.verdict_open(_runs([0.82, 0.83, 0.81], [88.0, 108.0, 98.0]), base)
+    # Hits 0.2 points below within their noise: open.
+    assert real_traffic.verdict_open(_runs([0.799, 0.806, 0.789], [90.0, 91.0, 89.0]), base)
+    # One timing says nothing about noise.
+    assert real_traffic.verdict_open(_runs([0.9], [50.0]), base[:1])
+
+
+def test_a_cell_takes_further_timings_only_while_its_verdict_is_open():
+    policies = ("lru", "cachescout")
+    one = real_traffic.run_cell(real_traffic.Cell(str(DATA), 4, 1, "closed", 0.7, policies, 1, 0.0, 120.0))
+    assert one["timings"] == 1
+    # From one timing a verdict is always open, so a cell allowed three takes at least a second;
+    # the timings it shares with the first run are the same replays.
+    more = real_traffic.run_cell(real_traffic.Cell(str(DATA), 4, 1, "closed", 0.7, policies, 1, 0.0, 120.0,
+                                                   max_jitters=3, decide="cachescout"))
+    n = more["timings"]
+    assert 2 <= n <= 3 and more["timings_allowed"] == 3
+    for name in policies:
+        assert len(more["policies"][name]["runs"]) == n
+        assert more["policies"][name]["runs"][0] == one["policies"][name]["runs"][0]
+    # A third timing was taken exactly when two left the verdict open.
+    ours, lru = (more["policies"][p]["runs"] for p in ("cachescout", "lru"))
+    assert real_traffic.verdict_open(ours[:2], lru[:2]) == (n == 3)
+    assert " timings " in real_traffic.format_cells([more], list(policies))
+    assert " timings " not in real_traffic.format_cells([one], list(policies))
+    # In results.md: the command carries the flag, and the text says how far the verdicts were settled.
+    from cachescout.bench.report import real_traffic_section
+
+    args = {"closed": "4", "open": "", "seeds": "1", "targets": "0.7", "policies": "lru,cachescout", "jitters": 1,
+            "max_jitters": 3, "decide": "cachescout", "cpu_ratio": 0.0}
+    summary = {"cachescout": real_traffic.summarize([more], base="lru")}
+    text = real_traffic_section({"args": args, "cells": [more], "summary": summary})
+    assert "--jitters 1 --max-jitters 3" in text and "the mean of 1 to 3 timings" in text
+    assert f"{summary['cachescout']['cells_undecided']} cells with that verdict still open after 3 timings" in text
+
+
 @pytest.mark.parametrize("flags, field", [
     (["--policies", "lru,nosuch"], "--policies"),
     (["--jitters", "0"], "--jitters"),
+    (["--jitters", "3", "--max-jitters", "2"], "--max-jitters"),
+    (["--max-jitters", "8", "--decide", "lru"], "--decide"),
+    (["--closed", "40"], "40 conversations asked for"),
+    (["--max-jitters", "8", "--policies", "cachescout,belady"], "--decide"),
     (["--targets", "1.5"], "--targets"),
     (["--cpu-ratio", "nan"], "--cpu-ratio"),
 ])
