@@ -317,6 +317,10 @@ def _points(share: float) -> str:
     return f"{round(100 * share, 2) + 0.0:+.2f}"
 
 
+def _cells(n: int) -> str:
+    return f"{n} cell" if n == 1 else f"{n} cells"
+
+
 def _settles(args: dict) -> bool:
     """Whether a real-traffic run let cells take timings until their verdict was settled."""
     return (args.get("max_jitters") or 0) > args["jitters"]
@@ -372,14 +376,15 @@ def real_traffic_section(report: dict, intro: bool = True) -> str:
             f"- `{name}` against `{s['against']}` over {s['cells']} cells: "
             f"hit rate {100 * s['hit_difference_mean']:+.2f} "
             f"points on average ({100 * s['hit_difference_min']:+.2f} to {100 * s['hit_difference_max']:+.2f}); "
-            f"{s['cells_below_by_0.2pt']} cells more than 0.2 points below, {s['cells_clearly_worse']} of them beyond "
-            f"two standard errors; mean TTFT {s['ttft_ratio_mean']:.3f}x (at most {s['ttft_ratio_max']:.3f}x, "
-            f"{s['cells_ttft_over_1.02x']} cells above 1.02x"
+            f"{_cells(s['cells_below_by_0.2pt'])} more than 0.2 points below, "
+            f"{s['cells_clearly_worse']} of them beyond two standard errors; "
+            f"mean TTFT {s['ttft_ratio_mean']:.3f}x (at most {s['ttft_ratio_max']:.3f}x, "
+            f"{_cells(s['cells_ttft_over_1.02x'])} above 1.02x"
             + (f", {s['cells_ttft_clearly_over_1.02x']} beyond two standard errors"
                if "cells_ttft_clearly_over_1.02x" in s else "")
             + f"); p99 TTFT {s['ttft_p99_ratio_mean']:.3f}x "
             f"(at most {s['ttft_p99_ratio_max']:.3f}x)"
-            + (f"; {s['cells_undecided']} cells with that verdict still open after {args['max_jitters']} timings"
+            + (f"; {_cells(s['cells_undecided'])} with that verdict still open after {args['max_jitters']} timings"
                if _settles(args) and name == args.get("decide", "cachescout") and "cells_undecided" in s else "")
             + (f"; prefetch precision {s['prefetch_precision_mean']:.0%}" if "prefetch_precision_mean" in s else "")
             + (f"; its guard's measure of the order alone (hits over its shadow LRU's, per sampled access) "

@@ -120,7 +120,8 @@ def test_a_cell_takes_further_timings_only_while_its_verdict_is_open():
     summary = {"cachescout": real_traffic.summarize([more], base="lru")}
     text = real_traffic_section({"args": args, "cells": [more], "summary": summary})
     assert "--jitters 1 --max-jitters 3" in text and "the mean of 1 to 3 timings" in text
-    assert f"{summary['cachescout']['cells_undecided']} cells with that verdict still open after 3 timings" in text
+    n = summary["cachescout"]["cells_undecided"]
+    assert f"{n} cell{'' if n == 1 else 's'} with that verdict still open after 3 timings" in text
 
 
 @pytest.mark.parametrize("flags, field", [
