@@ -112,6 +112,7 @@ def test_a_cell_takes_further_timings_only_while_its_verdict_is_open():
     assert real_traffic.verdict_open(ours[:2], lru[:2]) == (n == 3)
     assert " timings " in real_traffic.format_cells([more], list(policies))
     assert " timings " not in real_traffic.format_cells([one], list(policies))
+    assert " timings " in real_traffic.format_cells([{**more, "timings": 3}], list(policies))   # all took the most
     # In results.md: the command carries the flag, and the text says how far the verdicts were settled.
     from cachescout.bench.report import real_traffic_section
 
