@@ -97,3 +97,71 @@ def test_prefetching_stops_while_prefetched_blocks_go_unused_and_resumes_when_th
         policy.blocks_prefetched(keys, "coder", now=t)
         policy.blocks_reused(keys)
     assert policy.prefetch_precision() > 0.5 and policy.plan_prefetch(where)
+
+
+def test_a_context_takes_no_more_room_than_it_is_given():
+    p, _ = planner(prefetch_max_actions=10)
+    cpu = {k: "cpu" for k in range(10)}.get
+    def ctx(room, keys=range(6), session="s"):
+        return PrefetchCandidate(None, 0.9, list(keys), session=session, room=room)
+    anchor_ = PrefetchCandidate("a", 0.9, list(range(6, 10)))
+    actions = p.plan([ctx(4), anchor_], cpu)
+    assert {(a.session, a.keys) for a in actions} == {("s", (0, 1, 2, 3)), (None, (6, 7, 8, 9))}
+    assert p.plan([ctx(0)], cpu) == []
+    assert p.plan([ctx(None)], cpu)[0].keys == tuple(range(6))          # no limit
+    # Rooms nest: what the first took comes out of the second's.
+    two = p.plan([ctx(5), ctx(7, range(6, 9), "t")], cpu)
+    assert [(a.session, a.keys) for a in two] == [("s", (0, 1, 2, 3, 4)), ("t", (6, 7))]
+
+
+def _conversations(min_confidence: float = 0.05):
+    """Conversations with no agent (each its own prompt, as coding agents' are) whose calls end as
+    "tool" (the next comes 5 s later) or "answer" (none comes). Then B's call ends "tool" and the
+    last 12 of its 16 blocks go to the CPU tier; A's call ends "answer"; the blocks of both still
+    cached are free, beside the last trained conversation's 6."""
+    policy = CacheScoutPolicy(PolicyConfig(min_confidence=min_confidence), clock=lambda: 0.0)
+    rid = 0
+
+    def call(conv: str, n: int, t: float, ending: str) -> list:
+        nonlocal rid
+        rid += 1
+        keys = chain([("conv", conv, i) for i in range(n)])
+        policy.observe(rid, keys, now=t)
+        policy.admit_blocks(rid, keys, 0)
+        policy.finish(rid, now=t + 1.0, ending=ending)
+        policy.blocks_freed(list(reversed(keys)), now=t + 1.0)
+        return keys
+
+    t = 0.0
+    for c in range(40):
+        for i in range(3):
+            keys = call(f"c{c}", 2 + 2 * i, t, "tool" if i < 2 else "answer")
+            if c < 39:     # the last conversation's 6 blocks stay: a free block stays ~1000 s
+                policy.blocks_evicted(keys)
+            t += 6.0
+        t += 1.0
+    t += 1000.0   # the trained conversations expire
+    b = call("B", 16, t, "tool")
+    policy.blocks_evicted(b[4:])
+    a = call("A", 4, t, "answer")
+    where = {**{k: "gpu" for k in b[:4]}, **{k: "cpu" for k in b[4:]}}.get
+    return policy, b, a, where, t + 2.0
+
+
+def test_a_conversation_with_no_agent_gets_its_context_back_into_room_ranked_below_it():
+    policy, b, a, where, now = _conversations()
+    order = policy.victims(100_000, now=now)
+    # The expired conversation's blocks go first, then A's answered context, then B's.
+    assert len(order) == 14 and set(order[6:10]) == set(a) and set(order[10:]) == set(b[:4])
+    # B's context comes back as far as the room ranked below it goes: its next 10 blocks.
+    actions = policy.plan_prefetch(where, now=now)
+    assert [(x.agent, x.keys) for x in actions] == [(None, tuple(b[4:14]))]
+    policy.blocks_prefetched(list(actions[0].keys), None, now=now, session=actions[0].session)
+    index = policy.inspect().index
+    assert {index.block(k).group for k in actions[0].keys} == {index.block(b[0]).group}   # filed with B's context
+
+
+def test_no_context_comes_back_over_blocks_plain_lru_would_keep():
+    policy, b, a, where, now = _conversations(min_confidence=1.0)   # never confident: LRU's order
+    assert policy.dead_room(now) == 0
+    assert policy.plan_prefetch(where, now=now) == []
