@@ -9,7 +9,6 @@ preamble / anchor / context groups; `finish` closes the call. Per block: `blocks
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import time
 from collections import Counter, OrderedDict, deque
@@ -153,9 +152,9 @@ class CacheScoutPolicy:
         self._next_hint: dict[Hashable, str] = {}  # session -> agent it will call next (hinted)
         self._pending: deque = deque()
         self._overdue_at = float("-inf")
-        # Session -> agent (None: no agent recognised) -> block keys of its latest prompt (and
-        # output) under that agent: what its next call to that agent reuses, for context prefetch.
-        self._context_keys: dict[Hashable, dict[str | None, list]] = {}
+        # Session -> agent -> block keys of its latest prompt (and output) under that agent: what
+        # its next call to that agent reuses, for context prefetch.
+        self._context_keys: dict[Hashable, dict[str, list]] = {}
         # Spent blocks evicted lately (oldest first): one computed again was used after all.
         self._spent_gone: OrderedDict[Hashable, None] = OrderedDict()
         self._max_pending = max_pending
@@ -468,8 +467,9 @@ class CacheScoutPolicy:
         used_spent += index.acquire(block_keys[:num_cached])
         if used_spent:
             self._traffic.spent_used(used_spent)
-        # The same list: prefetch keeps it while the group is pruned.
-        self._context_keys.setdefault(live.obs.session, {})[live.obs.agent] = call
+        if live.obs.agent is not None:   # the same list: prefetch keeps it while the group is pruned
+            contexts = self._context_keys.setdefault(live.obs.session, {})
+            contexts[live.obs.agent] = call
 
     def extend_blocks(self, request_id: Hashable, block_keys: Sequence[Hashable]) -> None:
         """Blocks the request filled while decoding (its output): filed with its context, or as
@@ -483,7 +483,7 @@ class CacheScoutPolicy:
             # The call's keys, held by its context group and (for an agent's context) by prefetch:
             # one list, or the prefetch's alone where the group was pruned and made again.
             keys = group.last_call
-            if keys is None:
+            if keys is None and live.obs.agent is not None:
                 keys = self._context_keys.get(live.obs.session, {}).get(live.obs.agent)
             if keys is not None:
                 keys.extend(block_keys)
@@ -677,67 +677,25 @@ class CacheScoutPolicy:
             if rec is not None and rec.anchor_blocks:
                 candidates.append(PrefetchCandidate(agent, p, rec.anchor_path, conf))
         # Contexts: a session about to call again will reuse its context under its next agent.
-        # A context prefetched from the CPU tier saves only its load time, while a block it
-        # displaces may cost a recompute: a context takes only room the eviction order would
-        # give up before its own blocks still cached (`_room_below`).
-        dead = self.dead_room(now)
-        profile: tuple[list[float], list[int]] | None = None
         link = self._scorer.session_links()
-        # A session with no agent continues its own context. Brought back into room R, its
-        # blocks stay about as long as the cache takes to evict R blocks: R / (free blocks) of
-        # the time a free block stays cached now. It is brought back when its next call is
-        # likely within that, by the waits learned after calls that ended as its last did.
-        residence = max(self._index.oldest_free_age(now), self.cfg.prefetch_lead_s)
+        # A context prefetched from the CPU tier saves only its load time, while the block it
+        # displaces may cost a recompute: prefetch into room that is predicted dead only.
+        room = self.room_is_dead(now)
         for s in self._sessions:
             contexts = self._context_keys.get(s.sid)
-            if not contexts or s.in_flight:
-                continue
-            if s.agent is None:
-                own = contexts.get(None)
-                if not own:
-                    continue
-                if profile is None:
-                    profile = self._index.eviction_profile(now)
-                room = self._room_below(s.sid, None, dead, profile, now)
-                free = profile[1][-1] if profile[1] else 0
-                horizon = residence if room is None or not free else residence * room / free
-                p, conf = self._scorer.unknown_agent_call(s, now, horizon)
-                if p >= self.cfg.prefetch_min_probability:
-                    candidates.append(PrefetchCandidate(None, p, own, conf * self._guard.trust, s.sid, room))
+            if not contexts or s.agent is None or s.in_flight:
                 continue
             t_next, alive = self._scorer.next_call_in(s, now)
             if t_next > self.cfg.prefetch_lead_s or alive < 0.5:
                 continue
             hinted = self._next_hint.get(s.sid)
             reach, conf = self._scorer.row(s.agent)
-            for nxt, keys in contexts.items():
-                if nxt is None:
-                    continue
-                p = 1.0 if hinted == nxt else self._chain.learner.probability(s.agent, nxt) * alive
-                c = 1.0 if hinted == nxt else conf * link * self._guard.trust
-                if p >= self.cfg.prefetch_min_probability:
-                    if profile is None:
-                        profile = self._index.eviction_profile(now)
-                    candidates.append(PrefetchCandidate(nxt, p, keys, c, s.sid,
-                                                        self._room_below(s.sid, nxt, dead, profile, now)))
+            for agent, keys in contexts.items():
+                p = 1.0 if hinted == agent else self._chain.learner.probability(s.agent, agent) * alive
+                c = 1.0 if hinted == agent else conf * link * self._guard.trust
+                if p >= self.cfg.prefetch_min_probability and room:
+                    candidates.append(PrefetchCandidate(agent, p, keys, c, s.sid))
         return self._planner.plan(candidates, locate, inflight_bytes)
-
-    def _room_below(self, sid: Hashable, agent: str | None, dead: int | None,
-                    profile: tuple[list[float], list[int]], now: float) -> int | None:
-        """Blocks a prefetch of session `sid`'s context under `agent` may take: the free blocks
-        the eviction order gives up before the context's own blocks still cached (the model,
-        priced by what losing each costs, values them less), at least the room predicted dead;
-        only that where none of the context is cached and free, or it is on LRU's order. None:
-        nothing is free (the room is empty blocks)."""
-        if dead is None:
-            return None
-        g = self._index.get_group(("ctx", sid, agent))
-        key = self._index.head_key(g, now) if g is not None and g.conf > 0 else None
-        if key is None:
-            return dead
-        negated, cumulative = profile
-        i = bisect.bisect_left(negated, -key)
-        return max(dead, cumulative[i - 1] if i else 0)
 
     def prefetch_round(self) -> bool:
         """Whether a round of prefetching may act: always while the prefetches judged so far were
@@ -754,21 +712,6 @@ class CacheScoutPolicy:
         self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
         victim = self._index.next_victim_group(now) if self._index.n_free else None
         return victim is None or (victim.conf > 0 and victim.model >= self._scorer.dead_model - 1e-9)
-
-    def dead_room(self, now: float | None = None) -> int | None:
-        """How many blocks a prefetch may take without costing a likely hit: the free blocks of
-        groups the model predicts are never used again (None when nothing is free: the room is
-        empty blocks, as many as the cache has)."""
-        now = self.clock() if now is None else now
-        self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
-        dead = self._scorer.dead_model - 1e-9
-        free = 0
-        room = 0
-        for g in self._index.free_groups():
-            free += g.n_free
-            if g.conf > 0 and g.model >= dead:
-                room += g.n_free
-        return room if free else None
 
     def predict_next(self, agent: str) -> list[tuple[str, float]]:
         """The chain's distribution of the agent called after `agent`, most likely first."""

@@ -441,16 +441,6 @@ class SurvivalScorer:
         conf = waits.seen / (waits.seen + _WAITS_HALF_CONFIDENT)
         return rate, conf if conf >= self.cfg.min_confidence else 0.0
 
-    def unknown_agent_call(self, ses: Session, now: float, horizon: float) -> tuple[float, float]:
-        """(P(an idle session with no known agent calls within `horizon` seconds), confidence),
-        from the waits learned after calls that ended as its last; (0, 0) before any were seen."""
-        waits = self._traffic.waits
-        idle = max(now - max(ses.last_finish_at, ses.last_call_at), 0.0)
-        got = waits.next_call(ses.ending, idle, horizon)
-        if got is None:
-            return 0.0, 0.0
-        return got[0], waits.seen / (waits.seen + _WAITS_HALF_CONFIDENT)
-
     def _view(self, s: Session, sv: SessionView, agent: str, now: float, rnd: int,
               per_agent: dict[str, _AgentView], overrides: Mapping[object, str] | None,
               wanted: set[str | None]) -> _AgentView:
