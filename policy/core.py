@@ -9,6 +9,7 @@ preamble / anchor / context groups; `finish` closes the call. Per block: `blocks
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import time
 from collections import Counter, OrderedDict, deque
@@ -677,10 +678,15 @@ class CacheScoutPolicy:
             if rec is not None and rec.anchor_blocks:
                 candidates.append(PrefetchCandidate(agent, p, rec.anchor_path, conf))
         # Contexts: a session about to call again will reuse its context under its next agent.
+        # A context prefetched from the CPU tier saves only its load time, while a block it
+        # displaces may cost a recompute: a context takes only room the eviction order would
+        # give up before its own blocks still cached (`_room_below`).
         link = self._scorer.session_links()
-        # A context prefetched from the CPU tier saves only its load time, while the block it
-        # displaces may cost a recompute: prefetch into room that is predicted dead only.
-        room = self.room_is_dead(now)
+        # Scored every round, as eviction will see them (whether or not a context is a candidate:
+        # scores are computed once per rescoring tick, at the first call in it).
+        self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
+        dead: int | None = None
+        profile: tuple[list[float], list[int]] | None = None
         for s in self._sessions:
             contexts = self._context_keys.get(s.sid)
             if not contexts or s.agent is None or s.in_flight:
@@ -693,9 +699,30 @@ class CacheScoutPolicy:
             for agent, keys in contexts.items():
                 p = 1.0 if hinted == agent else self._chain.learner.probability(s.agent, agent) * alive
                 c = 1.0 if hinted == agent else conf * link * self._guard.trust
-                if p >= self.cfg.prefetch_min_probability and room:
-                    candidates.append(PrefetchCandidate(agent, p, keys, c, s.sid))
+                if p >= self.cfg.prefetch_min_probability:
+                    if profile is None:
+                        dead = self.dead_room(now)
+                        profile = self._index.eviction_profile(now)
+                    room = self._room_below(s.sid, agent, dead, profile, now)
+                    candidates.append(PrefetchCandidate(agent, p, keys, c, s.sid, room))
         return self._planner.plan(candidates, locate, inflight_bytes)
+
+    def _room_below(self, sid: Hashable, agent: str, dead: int | None,
+                    profile: tuple[list[float], list[int]], now: float) -> int | None:
+        """Blocks a prefetch of session `sid`'s context under `agent` may take: the free blocks
+        the eviction order gives up before the context's own blocks still cached (the model,
+        priced by what losing each costs, values them less), at least the room predicted dead;
+        only that where none of the context is cached and free, or it is on LRU's order. None:
+        nothing is free (the room is empty blocks)."""
+        if dead is None:
+            return None
+        g = self._index.get_group(("ctx", sid, agent))
+        key = self._index.head_key(g, now) if g is not None and g.conf > 0 else None
+        if key is None:
+            return dead
+        negated, cumulative = profile
+        i = bisect.bisect_left(negated, -key)
+        return max(dead, cumulative[i - 1] if i else 0)
 
     def prefetch_round(self) -> bool:
         """Whether a round of prefetching may act: always while the prefetches judged so far were
@@ -712,6 +739,21 @@ class CacheScoutPolicy:
         self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
         victim = self._index.next_victim_group(now) if self._index.n_free else None
         return victim is None or (victim.conf > 0 and victim.model >= self._scorer.dead_model - 1e-9)
+
+    def dead_room(self, now: float | None = None) -> int | None:
+        """How many blocks a prefetch may take without costing a likely hit: the free blocks of
+        groups the model predicts are never used again (None when nothing is free: the room is
+        empty blocks, as many as the cache has)."""
+        now = self.clock() if now is None else now
+        self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
+        dead = self._scorer.dead_model - 1e-9
+        free = 0
+        room = 0
+        for g in self._index.free_groups():
+            free += g.n_free
+            if g.conf > 0 and g.model >= dead:
+                room += g.n_free
+        return room if free else None
 
     def predict_next(self, agent: str) -> list[tuple[str, float]]:
         """The chain's distribution of the agent called after `agent`, most likely first."""

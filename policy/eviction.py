@@ -420,6 +420,23 @@ class EvictionIndex:
                 best, best_key = g, key
         return best
 
+    def head_key(self, g: Group, now: float) -> float | None:
+        """The eviction key of group `g`'s next victim at `now` (None: it has no free block)."""
+        return None if g.head is None else _key(g, g.head, now)
+
+    def eviction_profile(self, now: float) -> tuple[list[float], list[int]]:
+        """The free groups by the key of their next victim at `now`, first to go first, as
+        (negated keys, ascending; free blocks of the groups up to and including each): for
+        `bisect`, how many free blocks go before a given key. O(free groups log free groups)."""
+        heads = sorted((-_key(g, g.head, now), g.n_free) for g in self._headed if g.head is not None)
+        negated = [k for k, _ in heads]
+        total = 0
+        cumulative = []
+        for _, n in heads:
+            total += n
+            cumulative.append(total)
+        return negated, cumulative
+
     def evict(self, n: int, now: float) -> list[Hashable]:
         """Remove and return the next `n` victims (the same ones `victims` names).
 

@@ -97,3 +97,68 @@ def test_prefetching_stops_while_prefetched_blocks_go_unused_and_resumes_when_th
         policy.blocks_prefetched(keys, "coder", now=t)
         policy.blocks_reused(keys)
     assert policy.prefetch_precision() > 0.5 and policy.plan_prefetch(where)
+
+
+def test_a_context_takes_no_more_room_than_it_is_given():
+    p, _ = planner(prefetch_max_actions=10)
+    cpu = {k: "cpu" for k in range(10)}.get
+    def ctx(room, keys=range(6), session="s"):
+        return PrefetchCandidate("coder", 0.9, list(keys), session=session, room=room)
+    anchor_ = PrefetchCandidate("a", 0.9, list(range(6, 10)))
+    actions = p.plan([ctx(4), anchor_], cpu)
+    assert {(a.session, a.keys) for a in actions} == {("s", (0, 1, 2, 3)), (None, (6, 7, 8, 9))}
+    assert p.plan([ctx(0)], cpu) == []
+    assert p.plan([ctx(None)], cpu)[0].keys == tuple(range(6))          # no limit
+    # Rooms nest: what the first took comes out of the second's.
+    two = p.plan([ctx(5), ctx(7, range(6, 9), "t")], cpu)
+    assert [(a.session, a.keys) for a in two] == [("s", (0, 1, 2, 3, 4)), ("t", (6, 7))]
+
+
+def test_a_context_larger_than_the_inflight_budget_brings_its_leading_blocks():
+    block = PolicyConfig().block_size * PolicyConfig().kv_bytes_per_token
+    p, _ = planner(prefetch_max_inflight_bytes=3 * block)
+    cpu = {k: "cpu" for k in range(6)}.get
+    (action,) = p.plan([PrefetchCandidate("coder", 0.9, list(range(6)), session="s")], cpu)
+    assert action.keys == (0, 1, 2)
+    assert p.plan([PrefetchCandidate("coder", 0.9, list(range(6)))], cpu) == []   # an anchor: all or nothing
+
+
+def test_a_sessions_context_comes_back_into_the_room_ranked_below_it():
+    """Sessions go sup, coder, sup, coder. Session S called sup with a long task (its leading 6
+    blocks still cached, the next 36 in the CPU tier), then coder, which just finished: its next
+    call goes to sup and reuses that context. No free block is predicted dead, so a context may
+    take only what the eviction order gives up before S's own cached sup context: the last
+    trained session's 16 blocks and the two anchors' 4."""
+    policy = CacheScoutPolicy(PolicyConfig(), clock=lambda: 0.0)
+    sup, coder = anchor("sup", 2), anchor("coder", 2)
+    rid = 0
+
+    def call(name: str, a: list, session: str, body: list, t: float) -> list:
+        nonlocal rid
+        rid += 1
+        keys = chain(a + body)
+        policy.observe(rid, keys, hints=Hints(agent=name, session=session), now=t)
+        policy.admit_blocks(rid, keys, 0)
+        policy.finish(rid, now=t + 0.5)
+        policy.blocks_freed(list(reversed(keys)), now=t + 0.5)
+        return keys
+
+    t = 0.0
+    for s in range(30):
+        for r in range(2):
+            for name, a in (("sup", sup), ("coder", coder)):
+                keys = call(name, a, str(s), [("task", s, name, r, i) for i in range(4)], t)
+                if s < 29:      # the last session's blocks stay cached
+                    policy.blocks_evicted(keys[2:])
+                t += 1.0
+        t += 1.0
+    task = call("sup", sup, "S", [("task", "S", i) for i in range(40)], t + 1.0)
+    policy.blocks_evicted(task[6:])
+    call("coder", coder, "S", [("task", "S", "c", i) for i in range(3)], t + 2.0)
+    now = t + 2.6
+    assert policy.dead_room(now) == 0
+    order = policy.victims(100_000, now=now)
+    assert set(order[20:24]) == set(task[2:6])     # S's cached sup context goes after 20 others
+    where = {**{k: "gpu" for k in task[:6]}, **{k: "cpu" for k in task[6:]}}.get
+    actions = policy.plan_prefetch(where, now=now)
+    assert [(x.agent, x.src, x.keys) for x in actions] == [("sup", "cpu", tuple(task[6:26]))]
