@@ -4,8 +4,8 @@ the GPU.
 Runs between requests, never on the serving path. Candidates are agents' anchors whose probability
 of being called next by at least one live session clears `prefetch_min_probability`, and the
 contexts that sessions' next calls will reuse: a session with an agent expected to call within
-`prefetch_lead_s`, under a next agent likely enough; a session with no agent recognised, likely to
-call before the blocks brought back would be evicted again (core.py `plan_prefetch`). A context
+`prefetch_lead_s`, under a next agent likely enough (core.py `plan_prefetch`; a session with no
+agent recognised is not a candidate). A context
 takes only room the eviction order gives up before its own blocks (`PrefetchCandidate.room`). All
 are predicted by models whose confidence clears `prefetch_min_confidence`. For each, the planner
 looks at where the blocks are: blocks in the CPU tier are planned CPU -> GPU, blocks only in Redis
@@ -29,7 +29,7 @@ Locate = Callable[[Hashable], "str | None"]  # block key -> "gpu", "cpu", "redis
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrefetchCandidate:
-    agent: str | None           # None: a session's context with no agent recognised
+    agent: str | None           # the agent whose anchor, or under whom the session's context
     probability: float          # P(the agent is called next by some session)
     anchor_keys: Sequence[Hashable]  # the blocks to bring closer, in prompt order
     confidence: float = 1.0     # of the rows behind `probability`
