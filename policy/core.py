@@ -24,7 +24,7 @@ from .fingerprint import AgentFingerprinter, Fingerprint
 from .guard import LruGuard
 from .prefetch import Locate, PrefetchAction, PrefetchCandidate, PrefetchPlanner
 from .scorer import WANTED_MODEL, SurvivalScorer
-from .sessions import SessionTracker
+from .sessions import Session, SessionTracker
 from .state import TransitionSnapshot
 from .traffic import Traffic
 from .transitions import END, START, LearnerRef, TransitionLearner
@@ -651,13 +651,14 @@ class CacheScoutPolicy:
     def confidence(self) -> float:
         return self._scorer.confidence()
 
-    def next_agent_probabilities(self) -> dict[str, tuple[float, float]]:
+    def next_agent_probabilities(self, counts: Mapping[str, float] | None = None) -> dict[str, tuple[float, float]]:
         """Per agent (by its hinted name where it has one): (probability that a live or arriving
         session calls it next, the model's confidence in that); hinted next agents are certain.
         The confidence carries the guard's trust: where acting on the model loses to LRU, nothing
-        built on its predictions (prefetches, the CPU tier's ranking) acts either."""
+        built on its predictions (prefetches, the CPU tier's ranking) acts either. `counts`: the
+        sessions counted per current agent (default: all live ones)."""
         trust = self._guard.trust
-        probs = self._scorer.next_call_probabilities()
+        probs = self._scorer.next_call_probabilities(counts)
         if trust < 1.0:
             probs = {a: (p, conf * trust) for a, (p, conf) in probs.items()}
         for nxt in self._next_hint.values():
@@ -670,7 +671,20 @@ class CacheScoutPolicy:
         now = self.clock() if now is None else now
         if not self.prefetch_round():
             return []
-        probs = self.next_agent_probabilities()
+        # Only the calls expected within `prefetch_lead_s` are prefetched for, anchors and
+        # contexts alike: a block brought to the GPU long before its call displaces blocks for
+        # longer and is more likely evicted unused (a conversation idle for minutes is no reason
+        # to bring its agent's anchor back now).
+        soon: list[tuple[Session, str, float]] = []
+        soon_counts: dict[str, float] = {}
+        for s in self._sessions:
+            if s.agent is None:
+                continue
+            t_next, alive = self._scorer.next_call_in(s, now)
+            if t_next <= self.cfg.prefetch_lead_s and alive >= 0.5:
+                soon.append((s, s.agent, alive))
+                soon_counts[s.agent] = soon_counts.get(s.agent, 0.0) + alive
+        probs = self.next_agent_probabilities(soon_counts)
         inverse = {v: k for k, v in self._aliases.items()}
         candidates = []
         for agent, (p, conf) in probs.items():
@@ -687,17 +701,14 @@ class CacheScoutPolicy:
         self._scorer.score(self._index, self._next_hint, self._guard.trust, now)
         dead: int | None = None
         profile: tuple[list[float], list[int]] | None = None
-        for s in self._sessions:
+        for s, current, alive in soon:
             contexts = self._context_keys.get(s.sid)
-            if not contexts or s.agent is None or s.in_flight:
-                continue
-            t_next, alive = self._scorer.next_call_in(s, now)
-            if t_next > self.cfg.prefetch_lead_s or alive < 0.5:
+            if not contexts or s.in_flight:
                 continue
             hinted = self._next_hint.get(s.sid)
-            reach, conf = self._scorer.row(s.agent)
+            _, conf = self._scorer.row(current)
             for agent, keys in contexts.items():
-                p = 1.0 if hinted == agent else self._chain.learner.probability(s.agent, agent) * alive
+                p = 1.0 if hinted == agent else self._chain.learner.probability(current, agent) * alive
                 c = 1.0 if hinted == agent else conf * link * self._guard.trust
                 if p >= self.cfg.prefetch_min_probability:
                     if profile is None:

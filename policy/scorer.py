@@ -209,17 +209,21 @@ class SurvivalScorer:
         conf = num / den if den > 0 else 0.0
         return conf if conf >= self.cfg.min_confidence else 0.0
 
-    def next_call_probabilities(self) -> dict[str, tuple[float, float]]:
+    def next_call_probabilities(self, counts: Mapping[str, float] | None = None) -> dict[str, tuple[float, float]]:
         """For each agent X: (P(at least one live or arriving session calls X next), confidence),
-        the confidence being that of the rows that predict X, weighted by what they contribute."""
+        the confidence being that of the rows that predict X, weighted by what they contribute.
+        `counts`: the sessions to count per current agent (default: every live one); given, new
+        sessions are expected in proportion to them only."""
         miss: dict[str, float] = {}
         conf_num: dict[str, float] = {}
         conf_den: dict[str, float] = {}
         learner = self._chain.learner
-        counts = self._sessions.agent_counts
-        n_live = sum(counts.values())
+        if counts is None:
+            counts = self._sessions.agent_counts
+            n_new = self._traffic.new_session_share * max(sum(counts.values()), 1)
+        else:
+            n_new = self._traffic.new_session_share * sum(counts.values())
         sources: list[tuple[str, float]] = list(counts.items())
-        n_new = self._traffic.new_session_share * max(n_live, 1)
         if n_new > 0 and learner.has_row(START):
             sources.append((START, n_new))
         for agent, n in sources:

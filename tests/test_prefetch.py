@@ -45,7 +45,8 @@ def test_thresholds_confidence_budget_and_cost():
 
 
 def _supervisor_then_coder():
-    """A policy that learned `sup` is always followed by `coder`, with a new `sup` call in flight."""
+    """A policy that learned `sup` is always followed by `coder` 0.9 s after it ends, and the time
+    `t` at which a new `sup` call just ended 0.6 s ago (its `coder` call is due within 0.5 s)."""
     policy = CacheScoutPolicy(PolicyConfig())
     sup, coder = anchor("sup", 5), anchor("coder", 7)
     t = 0.0
@@ -57,7 +58,9 @@ def _supervisor_then_coder():
             t += 1.0
     rid = ("new", "sup")
     policy.observe(rid, chain(sup + [("task", "new")]), hints=Hints(agent="sup", session="new"), now=t)
-    return policy, sup, coder, t
+    policy.finish(rid, now=t + 0.1)
+    policy.clock = lambda: t + 0.7
+    return policy, sup, coder, t + 0.7
 
 
 def test_policy_prefetches_the_predicted_next_agents_anchor():
@@ -66,6 +69,18 @@ def test_policy_prefetches_the_predicted_next_agents_anchor():
     where = {k: "cpu" for k in coder_keys}
     actions = policy.plan_prefetch(where.get)
     assert actions and actions[0].agent == "coder" and actions[0].keys == tuple(coder_keys)
+
+
+def test_an_anchor_is_prefetched_only_for_calls_due_within_the_lead_time():
+    """The `coder` call comes 0.9 s after `sup` ends: its anchor is not brought back while `sup`
+    runs or just after (0.9 s away, over `prefetch_lead_s`), nor for a session idle far beyond
+    its think time, only in the last 0.5 s before the call is due."""
+    policy, sup, coder, t = _supervisor_then_coder()
+    where = {k: "cpu" for k in chain(coder)}.get
+    assert policy.cfg.prefetch_lead_s == 0.5
+    assert policy.plan_prefetch(where, now=t - 0.6) == []     # the sup call just ended
+    assert policy.plan_prefetch(where, now=t + 30.0) == []    # idle for 30 think times
+    assert [x.agent for x in policy.plan_prefetch(where, now=t)] == ["coder"]
 
 
 def test_no_prefetch_and_no_cpu_ranking_while_the_guard_keeps_to_lru():
