@@ -87,7 +87,8 @@ class PolicyConfig:
     prefetch_max_inflight_bytes: int = setting(
         2 * 1024**3, "bytes of prefetch allowed in flight", lo=0, hi=2**62)
     prefetch_lead_s: float = setting(
-        0.5, "how long before a session's expected next call its context is prefetched", lo=0)
+        0.5, "how long before a session's expected next call its next agent's anchor and its context are "
+        "prefetched", lo=0)
 
     # Rebuild cost. Defaults: Llama-3.1-8B on one H200, the benchmark's default cost profile
     # (`llama3.1-8b-h200` in bench/data/cost_profiles.json, with the figures' sources); a test keeps

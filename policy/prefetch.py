@@ -1,11 +1,11 @@
 """Prefetch planning: bring the anchors and contexts the next calls will most likely need closer to
 the GPU.
 
-Runs between requests, never on the serving path. Candidates are agents' anchors whose probability
-of being called next by at least one live session clears `prefetch_min_probability`, and the
-contexts that sessions' next calls will reuse: a session with an agent expected to call within
-`prefetch_lead_s`, under a next agent likely enough (core.py `plan_prefetch`; a session with no
-agent recognised is not a candidate). A context
+Runs between requests, never on the serving path. Candidates are for the calls expected within
+`prefetch_lead_s` (core.py `plan_prefetch`): agents' anchors whose probability of being called next
+by at least one session expected to call that soon clears `prefetch_min_probability`, and those
+sessions' contexts under a next agent likely enough (a session with no agent recognised is not a
+candidate). A context
 takes only room the eviction order gives up before its own blocks (`PrefetchCandidate.room`). All
 are predicted by models whose confidence clears `prefetch_min_confidence`. For each, the planner
 looks at where the blocks are: blocks in the CPU tier are planned CPU -> GPU, blocks only in Redis
