@@ -45,8 +45,8 @@ def test_thresholds_confidence_budget_and_cost():
 
 
 def _supervisor_then_coder():
-    """A policy that learned `sup` is always followed by `coder` 0.9 s after it ends, and the time
-    `t` at which a new `sup` call just ended 0.6 s ago (its `coder` call is due within 0.5 s)."""
+    """A policy that learned `sup` is always followed by `coder` 0.9 s after it ends, and a time
+    `t` 0.6 s after a new `sup` call ended (its `coder` call is then due within 0.5 s)."""
     policy = CacheScoutPolicy(PolicyConfig())
     sup, coder = anchor("sup", 5), anchor("coder", 7)
     t = 0.0
@@ -72,9 +72,9 @@ def test_policy_prefetches_the_predicted_next_agents_anchor():
 
 
 def test_an_anchor_is_prefetched_only_for_calls_due_within_the_lead_time():
-    """The `coder` call comes 0.9 s after `sup` ends: its anchor is not brought back while `sup`
-    runs or just after (0.9 s away, over `prefetch_lead_s`), nor for a session idle far beyond
-    its think time, only in the last 0.5 s before the call is due."""
+    """The `coder` call comes 0.9 s after `sup` ends: its anchor is not brought back as `sup`
+    ends (0.9 s away, over `prefetch_lead_s`), nor for a session idle far beyond its think time,
+    only in the last 0.5 s before the call is due."""
     policy, sup, coder, t = _supervisor_then_coder()
     where = {k: "cpu" for k in chain(coder)}.get
     assert policy.cfg.prefetch_lead_s == 0.5
