@@ -21,6 +21,10 @@ class CacheScoutReplay(ReplayPolicy):
     def __init__(self, config: PolicyConfig | None = None, *, hints: bool = False, tokens: bool = True,
                  prefetch: bool = True, endings: bool = True, name: str = "cachescout") -> None:
         self.name = name
+        # A queued request's CPU-tier prefix is a known future, not a prediction: held whatever the
+        # model says, as its GPU blocks are (`CacheScoutPolicy._want`). Set here, not on the class:
+        # the compiled engine reads the compiled base's attribute.
+        self.holds_queued = True
         self.now = 0.0
         self.core = CacheScoutPolicy(config, clock=lambda: self.now)
         self.hints = hints

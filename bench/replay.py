@@ -172,6 +172,9 @@ class ReplayPolicy:
 
     name = "base"
     uses_tiers = True   # vanilla vLLM (`lru`) has no LMCache tiers
+    # Hold a queued request's CPU-tier prefix until it is admitted (`TierStore.hold_prefix`):
+    # CacheScout's connector does; LMCache alone pins it only from its lookup, at admission.
+    holds_queued = False
 
     def prefetch(self, engine: Engine, now: float) -> list[Hashable]:
         """Between steps: keys of lower-tier blocks to bring into the GPU cache, in order."""
@@ -265,6 +268,7 @@ class Request:
     last_hash: int = 0
     preempted: int = 0
     looked_up: bool = False      # LMCache has looked it up (it keeps the answer per request)
+    cpu_held: list[Hashable] = dataclasses.field(default_factory=list)   # CPU-tier blocks held while queued
     running: bool = False
     tag: Any = None              # for the policy's use
     admitted: int = 0            # admission order (the running queue's order)
@@ -557,6 +561,7 @@ class Engine:
         self.prefetch_issued = 0
         self.prefetch_used = 0
         self.prefetch_wasted = 0
+        self._hold_room_freed = False   # an admitted request released its hold (`_hold_queued`)
 
     def where(self, key: Hashable) -> str | None:
         """The closest tier holding a block: "gpu", "cpu", "redis" or None."""
@@ -694,7 +699,24 @@ class Engine:
             stored, dropped = lmcache_store(hashes, redis_end, self.cpu, self.redis)
             if stored and self.cpu is not None:
                 self.policy.backed(stored, dropped)
+        if req.cpu_held:   # loaded: LMCache's own pin took over from the hold
+            cast(TierStore, self.cpu).release(req.cpu_held)
+            req.cpu_held = []
+            self._hold_room_freed = True
         return True
+
+    def _hold_queued(self, waiting: deque[Request]) -> None:
+        """Room in the CPU tier's holds came free: the queued requests hold their prefixes again,
+        in queue order, while room lasts (a long queue is held as it moves up; a hold cut short
+        by the limit grows)."""
+        self._hold_room_freed = False
+        cpu = cast(TierStore, self.cpu)
+        for req in waiting:
+            if cpu.hold_room() <= 0:
+                break
+            if req.cpu_held:
+                cpu.release(req.cpu_held)
+            req.cpu_held = cpu.hold_prefix(req.hashes)
 
     def _grow(self, req: Request) -> bool:
         """A decode step writes the KV of the request's newest token: allocate and cache blocks."""
@@ -797,6 +819,8 @@ class Engine:
                 req.hashes = prompt_keys(req.call)
                 waiting.append(req)
                 policy.arrived(req, self.now)
+                if self.cpu is not None and policy.holds_queued:
+                    req.cpu_held = self.cpu.hold_prefix(req.hashes)
             # 1) decode for running requests past prefill, then prefill chunks
             n_decode, context = decoding.batch(running, steps)
             budget = cfg.max_batched_tokens - n_decode
@@ -821,6 +845,8 @@ class Engine:
                 chunk = min(budget, req.prompt_len - req.computed)
                 prefill.append((req, chunk))
                 budget -= chunk
+            if self._hold_room_freed:
+                self._hold_queued(waiting)
             if not n_decode and not prefill:
                 if running or waiting:
                     # Nothing fits: only possible when the cache cannot hold one request.

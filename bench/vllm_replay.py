@@ -185,8 +185,8 @@ class VllmReplay:
             extra["policy"] = {**cfg.cost.policy_settings(), **dict(extra.get("policy") or {})}
             if cfg.cpu_blocks and "lmcache_cpu_gib" not in extra:   # as `cachescout config` tells it
                 extra["lmcache_cpu_gib"] = cfg.cpu_blocks * cfg.block_size * cfg.cost.kv_bytes_per_token / 2**30
-        tiers = ({"cpu_blocks": cfg.cpu_blocks, "redis_blocks": cfg.redis_blocks, "cost": cfg.cost.name}
-                 if tiered else None)
+        tiers = ({"cpu_blocks": cfg.cpu_blocks, "redis_blocks": cfg.redis_blocks, "cost": cfg.cost.name,
+                  "hold_queued": policy == "cachescout"} if tiered else None)
         self.scheduler = build_scheduler(cfg.gpu_blocks, block_size=cfg.block_size, max_num_seqs=cfg.max_num_seqs,
                                          max_batched_tokens=cfg.max_batched_tokens, connector=extra, tiers=tiers)
         found = self.scheduler.connector

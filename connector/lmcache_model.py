@@ -1,6 +1,9 @@
 """What LMCache's tiers hold, as LMCache 0.5.6 fills them, block by block (no KV, no LMCache import).
 
-- A tier is LRU (`TierStore`).
+- A tier is LRU (`TierStore`). Beside CacheScout the benchmark's CPU tier also holds a queued
+  request's prefix from its arrival to its admission (`TierStore.hold_prefix`), where LMCache pins
+  what its lookup finds only from that lookup on; CacheScout's connector does not do this in vLLM
+  yet (docs/policy.md, known limits).
 - A call's lookup (vLLM's scheduler asks LMCache once per request) matches the prefix the tiers hold
   from the prompt's first block, the CPU tier's run first and Redis's after it: a block past a
   missing one is never a hit. It refreshes every block of the CPU run, those vLLM holds on the GPU
@@ -21,27 +24,78 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 
 
+HOLD_SHARE = 0.5   # at most this share of a tier is held for queued requests (`TierStore.hold_prefix`)
+
+
 class TierStore:
-    """A lower tier (LMCache's CPU memory, or Redis): LRU over block keys."""
+    """A lower tier (LMCache's CPU memory, or Redis): LRU over block keys, less the blocks held for
+    queued requests (`hold_prefix`), which are evicted only after every other block."""
 
     def __init__(self, name: str, capacity: int) -> None:
         self.name = name
         self.capacity = capacity
         self.keys: OrderedDict[Hashable, None] = OrderedDict()   # vLLM's keys are bytes, the replay's ints
+        self.held: dict[Hashable, int] = {}   # block -> how many queued requests hold it
+        self.hold_limit = int(HOLD_SHARE * capacity)
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.keys
 
     def put(self, keys: Sequence[Hashable]) -> list[Hashable]:
-        """Store (or refresh) blocks; returns the blocks evicted to make room."""
+        """Store (or refresh) blocks; returns the blocks evicted to make room: the oldest ones not
+        held (held ones keep their place)."""
         store = self.keys
         for k in keys:
             store[k] = None
             store.move_to_end(k)
         dropped: list[Hashable] = []
-        while len(store) > self.capacity:
-            dropped.append(store.popitem(last=False)[0])
+        skipped: list[Hashable] = []
+        held = self.held
+        while len(store) + len(skipped) > self.capacity:
+            k = store.popitem(last=False)[0]
+            if k in held and store:
+                skipped.append(k)
+            else:   # (nothing but held blocks left: the oldest of them goes)
+                dropped.append(k)
+        for k in reversed(skipped):   # back at the old end, in their order
+            store[k] = None
+            store.move_to_end(k, last=False)
         return dropped
+
+    def hold_prefix(self, keys: Sequence[Hashable]) -> list[Hashable]:
+        """Hold the run of `keys` the tier has from the first (what a lookup would hit) until
+        `release`, as far as the hold limit allows; returns the keys held. LMCache pins what its
+        lookup finds until the load; this pins it from the moment a request is queued, so that
+        the prompts stored while it waits do not push out what it will load."""
+        held = self.held
+        room = self.hold_room()
+        out: list[Hashable] = []
+        store = self.keys
+        for k in keys:
+            if k not in store:
+                break
+            n = held.get(k, 0)
+            if n == 0:
+                if room <= 0:
+                    break
+                room -= 1
+            held[k] = n + 1
+            out.append(k)
+        return out
+
+    def hold_room(self) -> int:
+        """How many more blocks `hold_prefix` may hold."""
+        return self.hold_limit - len(self.held)
+
+    def release(self, keys: Sequence[Hashable]) -> None:
+        """Undo a `hold_prefix`."""
+        held = self.held
+        for k in keys:
+            n = held[k] - 1
+            if n:
+                held[k] = n
+            else:
+                del held[k]
 
     def touch(self, keys: Sequence[Hashable]) -> None:
         """Refresh held blocks as LMCache's lookup does: last to first, so the first ends newest."""

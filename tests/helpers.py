@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 
+from cachescout.bench.trace import parse_trace
 from cachescout.policy import block_key
 
 
@@ -81,3 +82,18 @@ class StallingProxy:
     def __exit__(self, *exc) -> None:
         self._closed = True
         self._server.close()
+
+
+def queued_behind_two_stores() -> list:
+    """Trace sessions in which a call waits while other prompts are stored over its CPU copy.
+
+    A's prompt (4 blocks of 16 tokens) is stored in the CPU tier; ten seconds later two other
+    prompts of 5 blocks each and A's next call (A's prompt and one block more) arrive together. A
+    GPU cache of 8 blocks admits one other prompt at a time, so A's call waits while both are
+    stored into a CPU tier of 8 blocks, as a call waits behind others on a loaded server."""
+    lines = ['{"timestamp": 0, "input_length": 64, "output_length": 2, "hash_ids": [1, 2, 3, 4]}',
+             '{"timestamp": 10000, "input_length": 80, "output_length": 40, "hash_ids": [11, 12, 13, 14, 15]}',
+             '{"timestamp": 10000, "input_length": 80, "output_length": 2, "hash_ids": [21, 22, 23, 24, 25]}',
+             '{"timestamp": 10000, "input_length": 80, "output_length": 2, "hash_ids": [1, 2, 3, 4, 5]}']
+    sessions, _ = parse_trace(lines, block_size=16)
+    return sessions

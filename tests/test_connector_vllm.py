@@ -402,6 +402,22 @@ def test_lower_tiers_modelled_beside_the_connector_agree_with_the_fast_replay(sh
         VllmReplay(cfg, "lru")
 
 
+def test_on_vllms_scheduler_a_queued_calls_cpu_copy_is_held_beside_cachescout_only():
+    """The modelled tiers hold a queued request's CPU prefix from vLLM's `on_new_request` to its
+    allocation when CacheScout runs beside them, as the fast replay does (test_trace.py has the
+    scenario: a call queued while two other prompts are stored over its copy)."""
+    from helpers import queued_behind_two_stores
+
+    cfg = EngineConfig(gpu_blocks=8, block_size=16, cpu_blocks=8)
+    got = {}
+    for policy in ("lmcache-lru", "cachescout"):
+        replay = VllmReplay(cfg, policy)
+        assert replay.tiers is not None and replay.tiers.hold_queued == (policy == "cachescout")
+        got[policy] = replay.run(queued_behind_two_stores()).summary()["cpu_token_hit_rate"]
+        assert not replay.tiers._held   # every hold released
+    assert got == {"lmcache-lru": 0.0, "cachescout": 64 / 304}
+
+
 def test_a_trace_replays_on_vllms_scheduler_with_tokens_made_from_its_ids(short_workload, tmp_path):
     """`--engine vllm --trace`: vLLM hashes tokens, a trace names blocks by id; tokens made from the
     ids give vLLM's scheduler the trace's block equalities. LRU agrees with the fast replay, and

@@ -2,17 +2,20 @@ import dataclasses
 import gc
 import gzip
 import json
+from collections import deque
 from pathlib import Path
 
 import pytest
 
 from cachescout.bench.policies import REGISTRY, make_policy
-from cachescout.bench.replay import CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys, plan_tier_loads
+from cachescout.bench.replay import (CacheTooSmall, CostProfile, Engine, EngineConfig, PromptKeys, Request,
+                                     plan_tier_loads)
 from cachescout.connector.lmcache_model import CpuTierModel, TierStore, lmcache_lookup
 from cachescout.bench.run import NEED_AGENTS, BenchOptions, run_sessions
 from cachescout.bench.trace import TraceError, TraceOptions, export_trace, load_trace, parse_trace, read_trace
 from cachescout.bench.workloads import WorkloadSpec, generate
 from cachescout.policy import PolicyConfig
+from helpers import queued_behind_two_stores
 
 GOLDEN = Path(__file__).parent / "data" / "golden.jsonl.gz"
 MOONCAKE_CHAT = Path(__file__).parent / "data" / "mooncake" / "conversation_first_3000.jsonl.gz"
@@ -46,7 +49,7 @@ GOLDEN_FIGURES = {
            "belady": 0.8235, "kvflow": 0.7646, "continuum": 0.721},
 }
 # ... and with LMCache's CPU and Redis tiers (half and one GPU cache), over all tiers.
-GOLDEN_TIERED = {"lru": 0.5878, "lmcache-lru": 0.6414, "kvflow": 0.6498, "cachescout": 0.6613}
+GOLDEN_TIERED = {"lru": 0.5878, "lmcache-lru": 0.6414, "kvflow": 0.6498, "cachescout": 0.671}
 
 
 @pytest.mark.parametrize("blocks", sorted(GOLDEN_FIGURES))
@@ -97,6 +100,68 @@ def test_lower_tiers_hit_only_the_prefix_lmcache_holds_from_the_first_block():
     # vLLM holds more than the CPU run: only Redis's blocks past vLLM's are loaded.
     assert plan_tier_loads(3, 5, 2, 4, cost, 512) == (4, [("redis", 1)])
     assert plan_tier_loads(4, 5, 2, 4, cost, 512) == (4, [])
+
+
+def test_a_tier_keeps_the_prefixes_held_for_queued_requests_within_half_its_capacity():
+    cpu = TierStore("cpu", 4)
+    cpu.put(["a", "b", "c"])
+    assert cpu.hold_prefix(["a", "b", "z", "c"]) == ["a", "b"]   # the run a lookup would hit
+    assert cpu.put(["d", "e"]) == ["c"]                          # the oldest block not held goes
+    assert list(cpu.keys) == ["a", "b", "d", "e"]                # held blocks keep their place
+    assert cpu.hold_prefix(["d"]) == []                          # half the tier is held already
+    assert cpu.hold_prefix(["a"]) == ["a"]                       # a held block can be held twice
+    cpu.release(["a", "b"])
+    assert cpu.put(["f", "g"]) == ["b", "d"]                     # a, still held once, stays
+    cpu.release(["a"])
+    assert cpu.put(["h"]) == ["a"] and not cpu.held and cpu.hold_room() == 2
+
+
+def test_holds_move_up_the_queue_as_held_requests_are_admitted():
+    # Two queued requests, the second's hold cut short by the limit (half the tier): once the first
+    # is admitted and lets go, the second holds its whole prefix.
+    holding = make_policy("lmcache-lru", PolicyConfig(block_size=16))
+    holding.holds_queued = True
+    engine = Engine(EngineConfig(gpu_blocks=8, block_size=16, cpu_blocks=8), holding)
+    cpu = engine.cpu
+    cpu.put(["a1", "a2", "a3", "b1", "b2", "b3"])
+    sessions = queued_behind_two_stores()
+    first, second = (Request(sessions[0], 0, sessions[0].calls[0], 0.0) for _ in range(2))
+    first.hashes, second.hashes = ["a1", "a2", "a3", "a4"], ["b1", "b2", "b3", "b4"]
+    first.cpu_held = cpu.hold_prefix(first.hashes)
+    second.cpu_held = cpu.hold_prefix(second.hashes)
+    assert (first.cpu_held, second.cpu_held) == (["a1", "a2", "a3"], ["b1"])
+    cpu.release(first.cpu_held)
+    engine._hold_queued(deque([second]))
+    assert second.cpu_held == ["b1", "b2", "b3"] and cpu.hold_room() == 1
+
+
+def test_a_queued_calls_cpu_copy_is_held_until_it_is_admitted():
+    # LMCache's LRU tier drops A's copy to store the prompts admitted before A's call; held from
+    # the moment the call is queued, the copy is loaded when the call is admitted.
+    sessions = queued_behind_two_stores()
+    cfg = EngineConfig(gpu_blocks=8, block_size=16, cpu_blocks=8)
+    lmcache = make_policy("lmcache-lru", PolicyConfig(block_size=16))
+    holding = make_policy("lmcache-lru", PolicyConfig(block_size=16))
+    holding.holds_queued = True
+    plain = Engine(cfg, lmcache).run(sessions)
+    held = Engine(cfg, holding).run(sessions)
+
+    def a2(result):
+        return next(r for r in result.requests if r.call.hash_ids == (1, 2, 3, 4, 5))
+    assert a2(plain).hit_tokens == 0
+    assert a2(held).cpu_hit_tokens == 64 and a2(held).hit_tokens == 64
+    # The others hit nothing either way: no repeated content.
+    assert [r.hit_tokens for r in held.requests if r is not a2(held)] == [0, 0, 0]
+
+
+def test_cachescout_holds_queued_calls_cpu_copies_and_lmcaches_lru_does_not():
+    cfg = PolicyConfig(block_size=16)
+    assert make_policy("cachescout", cfg).holds_queued and make_policy("cachescout-unsure", cfg).holds_queued
+    assert not make_policy("lmcache-lru", cfg).holds_queued
+    sessions = queued_behind_two_stores()
+    got = Engine(EngineConfig(gpu_blocks=8, block_size=16, cpu_blocks=8), make_policy("cachescout", cfg)).run(sessions)
+    a2 = next(r for r in got.requests if r.call.hash_ids == (1, 2, 3, 4, 5))
+    assert a2.hit_tokens == 64
 
 
 def test_the_schedulers_model_of_lmcaches_cpu_tier_tells_which_blocks_have_a_copy():
