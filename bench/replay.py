@@ -173,7 +173,8 @@ class ReplayPolicy:
     name = "base"
     uses_tiers = True   # vanilla vLLM (`lru`) has no LMCache tiers
     # Hold a queued request's CPU-tier prefix until it is admitted (`TierStore.hold_prefix`):
-    # CacheScout's connector does; LMCache alone pins it only from its lookup, at admission.
+    # CacheScout asks for it (in these modelled tiers; its connector does not yet inside vLLM);
+    # LMCache alone pins it only from its lookup, at admission.
     holds_queued = False
 
     def prefetch(self, engine: Engine, now: float) -> list[Hashable]:
