@@ -173,7 +173,7 @@ class ReplayPolicy:
     name = "base"
     uses_tiers = True   # vanilla vLLM (`lru`) has no LMCache tiers
     # Hold a queued request's CPU-tier prefix until it is admitted (`TierStore.hold_prefix`):
-    # CacheScout asks for it (in these modelled tiers; its connector does not yet inside vLLM);
+    # CacheScout asks for it (as its connector does inside vLLM, connector/lmcache_tier.py);
     # LMCache alone pins it only from its lookup, at admission.
     holds_queued = False
 

@@ -1,9 +1,9 @@
 """What LMCache's tiers hold, as LMCache 0.5.6 fills them, block by block (no KV, no LMCache import).
 
-- A tier is LRU (`TierStore`). Beside CacheScout the benchmark's CPU tier also holds a queued
-  request's prefix from its arrival to its admission (`TierStore.hold_prefix`), where LMCache pins
-  what its lookup finds only from that lookup on; CacheScout's connector does not do this in vLLM
-  yet (docs/policy.md, known limits).
+- A tier is LRU (`TierStore`). Beside CacheScout the CPU tier also holds a queued request's
+  prefix from its arrival to its admission (`TierStore.hold_prefix`), where LMCache pins what its
+  lookup finds only from that lookup on; in vLLM CacheScout's connector does it in LMCache's own
+  tier (`QueuedHolds`, lmcache_tier.py), by the same rule.
 - A call's lookup (vLLM's scheduler asks LMCache once per request) matches the prefix the tiers hold
   from the prompt's first block, the CPU tier's run first and Redis's after it: a block past a
   missing one is never a hit. It refreshes every block of the CPU run, those vLLM holds on the GPU

@@ -38,6 +38,7 @@ from lmcache.v1.storage_backend import cache_policy as _lmcache_policies
 from lmcache.v1.storage_backend.cache_policy.base_policy import BaseCachePolicy
 
 from .deploy_config import POLICY_NAME   # `cache_policy: cachescout` in LMCache's YAML
+from .lmcache_model import HOLD_SHARE
 
 log = logging.getLogger("cachescout.connector")
 
@@ -319,6 +320,187 @@ class Prefetcher:
                 PREFETCHED.add(key)
         self.stats["chunks_loaded"] += loaded
         self.stats["requests_done"] += 1
+
+
+class QueuedHolds:
+    """Holds each queued request's prefix in LMCache's CPU tier from its arrival to its admission.
+
+    LMCache pins what its lookup finds from that lookup on, and vLLM's scheduler makes it only when
+    the request reaches the head of its queue; until then the prompts stored ahead of it (those
+    admitted while it waits) push its copy out, and a request that waited long recomputes what it
+    found on arrival. The scheduler side sends each request still waiting at the end of a step
+    (`hold`) and each one admitted or ended (`release`); here, on one background thread, its
+    chunks the CPU tier holds, from the first on (the run LMCache's lookup would hit), are pinned
+    until the release. The same rule as the benchmark's tier model (`TierStore.hold_prefix`):
+
+    - at most `share` of the tier's bytes is held (a chunk held by several requests counts once), so
+      that stores always find room; the earliest queued are held first, a hold cut short by the
+      limit holds what fits, and when a hold is released the requests still queued hold theirs
+      again in queue order;
+    - a chunk is pinned once, whoever else holds it (LMCache's own lookup pins are counted apart);
+      pinning is not a lookup: LMCache's LRU order and hit statistics are untouched.
+
+    The queue is bounded (`max_queued` requests waiting or being held; more are not held, counted);
+    errors are counted and logged, never raised. Nothing here runs on vLLM's serving path: `hold`
+    and `release` only queue."""
+
+    def __init__(self, engine: Any, *, share: float = HOLD_SHARE, max_queued: int = 256) -> None:
+        self.engine = engine
+        self.limit_bytes = int(share * float(engine.config.max_local_cpu_size) * 2**30)
+        self.max_queued = max_queued
+        self.stats: Counter[str] = Counter()
+        self.held_bytes = 0
+        # Only the holding thread touches these three:
+        self._queued: OrderedDict[str, _Queued] = OrderedDict()   # waiting requests, in arrival order
+        self._pins: dict[Any, list] = {}                          # chunk key -> [memory object, holders]
+        self._ops: queue.SimpleQueue = queue.SimpleQueue()        # ("hold", ...), ("release", rid), None
+        # Each written by one thread only: holds queued (the worker's) and handled (the holder's).
+        self._holds_put = self._holds_done = 0
+        self._ops_put = self._ops_done = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cachescout-hold", daemon=True)
+        self._thread.start()
+
+    # -- from the worker's step (metadata), O(1) each ----------------------------------------------
+    def hold(self, request_id: str, tokens: Sequence[int], configs: Mapping[str, Any] | None = None) -> bool:
+        """Queue a hold of a waiting request's prefix; False (counted) when too many are queued."""
+        if self._stop.is_set():
+            return False
+        if self._holds_put - self._holds_done + len(self._queued) >= self.max_queued:
+            self.stats["holds_dropped"] += 1
+            return False
+        self._holds_put += 1
+        self._ops_put += 1
+        self._ops.put(("hold", request_id, tokens, dict(configs or {})))
+        return True
+
+    def release(self, request_id: str) -> None:
+        """The request was admitted (LMCache's lookup pinned what it loads) or ended."""
+        if not self._stop.is_set():
+            self._ops_put += 1
+            self._ops.put(("release", request_id))
+
+    def wait_idle(self, timeout: float = 10.0) -> bool:
+        """For tests: True once every hold and release queued so far has been handled."""
+        deadline = time.monotonic() + timeout
+        while self._ops_done < self._ops_put:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                return False
+            time.sleep(0.002)
+        return True
+
+    def close(self, timeout: float = 2.0) -> None:
+        """Stop the thread and unpin everything held."""
+        self._stop.set()
+        self._ops.put(None)
+        self._thread.join(timeout)
+        if not self._thread.is_alive():
+            for rid in list(self._queued):
+                self._unpin(self._queued.pop(rid))
+
+    # -- the holding thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            op = self._ops.get()
+            if op is None or self._stop.is_set():
+                return
+            try:
+                if op[0] == "hold":
+                    self._add(*op[1:])
+                else:
+                    self._drop(op[1])
+            except Exception as exc:   # a changed LMCache internal, a bad chunk: count it, keep serving
+                self.stats["hold_errors"] += 1
+                if self.stats["hold_errors"] in (1, 10, 100):
+                    log.warning("CacheScout: holding a queued request's CPU-tier prefix failed: %s", exc)
+            finally:
+                if op[0] == "hold":
+                    self._holds_done += 1
+                self._ops_done += 1
+
+    def _add(self, rid: str, tokens: Sequence[int], configs: dict) -> None:
+        import torch
+
+        if rid in self._queued:
+            return
+        db = self.engine.token_database
+        keys = [key for _, _, key in db.process_tokens(torch.tensor(tokens, dtype=torch.long),
+                                                          request_configs=configs or None)]
+        entry = self._queued[rid] = _Queued(keys)
+        self._pin(entry)
+        if entry.held:
+            self.stats["holds"] += 1
+
+    def _drop(self, rid: str) -> None:
+        entry = self._queued.pop(rid, None)
+        if entry is None or not entry.held:
+            return
+        self._unpin(entry)
+        for other in self._queued.values():   # room came free: the queue holds again, in order
+            if self.held_bytes >= self.limit_bytes:
+                break
+            if other.short:
+                self._unpin(other)
+                self._pin(other)
+
+    def _pin(self, entry: _Queued) -> None:
+        """Pin the run of `entry`'s chunks the CPU tier holds from the first, within the limit."""
+        cpu = self.engine.storage_manager.storage_backends.get("LocalCPUBackend")
+        if cpu is None:
+            return
+        pins = self._pins
+        entry.short = False
+        for key in entry.keys:
+            pin = pins.get(key)
+            if pin is None:
+                if self.held_bytes >= self.limit_bytes:
+                    entry.short = True   # held again when room comes free
+                    self.stats["holds_cut_by_limit"] += 1
+                    break
+                with cpu.cpu_lock:
+                    obj = cpu.hot_cache.get(key)
+                    if obj is None:
+                        break            # the run ends: LMCache's lookup would stop here too
+                    obj.pin()
+                pin = pins[key] = [obj, 0]
+                self.held_bytes += _bytes_of(obj)
+                self.stats["hold_chunks"] += 1
+            pin[1] += 1
+            entry.held.append(key)
+
+    def _unpin(self, entry: _Queued) -> None:
+        cpu = self.engine.storage_manager.storage_backends.get("LocalCPUBackend")
+        pins = self._pins
+        for key in entry.held:
+            pin = pins[key]
+            pin[1] -= 1
+            if pin[1]:
+                continue
+            del pins[key]
+            obj = pin[0]
+            self.held_bytes -= _bytes_of(obj)
+            if cpu is None:
+                continue
+            with cpu.cpu_lock:
+                # A chunk LMCache removed by force (a cache reset) lost its pins with it; one stored
+                # again since is another object: neither is ours to unpin.
+                if cpu.hot_cache.get(key) is obj:
+                    obj.unpin()
+        entry.held = []
+
+
+class _Queued:
+    __slots__ = ("keys", "held", "short")
+
+    def __init__(self, keys: list) -> None:
+        self.keys = keys           # the prompt's LMCache chunk keys, first to last
+        self.held: list = []       # those pinned for it (a leading run)
+        self.short = False         # the limit cut its hold short
+
+
+def _bytes_of(obj: Any) -> int:
+    size = getattr(obj, "get_physical_size", None) or obj.get_size
+    return int(size())
 
 
 # -- LMCache's destroy() hangs with a redis:// tier: its Redis connector's close blocks the event

@@ -10,12 +10,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 class CacheScoutMetadata(KVConnectorMetadata):
     """What the workers get each step: the per-agent reuse probabilities, when they changed (for
-    the CPU-tier policy in LMCache, lmcache_tier.py). The GPU steering happens on the scheduler."""
+    the CPU-tier policy in LMCache, lmcache_tier.py), anchors to prefetch, and the queued requests
+    whose CPU-tier prefix to hold until their admission. The GPU steering happens on the scheduler."""
 
     def __init__(self, agent_scores: dict[str, float] | None = None,
-                 prefetch: list[tuple[list[int], dict]] | None = None) -> None:
+                 prefetch: list[tuple[list[int], dict]] | None = None, *,
+                 holds: list[tuple[str, list[int], dict]] | None = None, releases: list[str] | None = None,
+                 release_all: bool = False) -> None:
         self.agent_scores = agent_scores
         self.prefetch = prefetch   # (anchor tokens, LMCache request configs) of agents predicted next
+        self.holds = holds         # (request id, prompt tokens, LMCache request configs) left waiting
+        self.releases = releases   # requests admitted or ended since: their holds go
+        self.release_all = release_all   # CacheScout turned itself off: every hold goes
 
 
 class CounterReport:

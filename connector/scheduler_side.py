@@ -19,7 +19,7 @@ from cachescout.policy import CacheScoutPolicy
 
 from .gpu_steering import GpuSteering
 from .gpu_warmup import WarmupSender
-from .lmcache_model import CpuTierModel
+from .lmcache_model import HOLD_SHARE, CpuTierModel
 from .reporting import CacheScoutMetadata, CounterReport
 from .settings import ConnectorSettings
 from .shared_state import SharedLearnedState
@@ -33,6 +33,8 @@ _SCORES_INTERVAL_S = 1.0   # agent scores go to the workers at most this often
 _REPORT_INTERVAL_S = 1.0   # counters go to vLLM's metrics about this often
 _POLICY_COUNTERS = ("predictions", "predictions_correct", "requests", "recognised")
 _WARMUP_CHECK_S = 0.2      # GPU warm-ups are considered at most this often
+_HOLD_TOKENS_PER_STEP = 1 << 18   # queued requests' tokens sent to the workers per step, at most
+_HOLDS_OUTSTANDING = 256          # queued requests held at once, at most (QueuedHolds.max_queued)
 
 
 class SchedulerSide:
@@ -47,11 +49,12 @@ class SchedulerSide:
         self.steering = GpuSteering(self.policy, ahead_blocks=settings.steer_ahead_blocks,
                                     ahead_factor=settings.steer_ahead_factor, budget_tokens=budget_tokens,
                                     max_seqs=max_seqs, steer=settings.steer_gpu)
+        cpu_blocks = 0
         if settings.lmcache_cpu_gib > 0:
             # LMCache's CPU tier, followed from the prompts it sees (lmcache_model.py), in GPU blocks.
             block_bytes = block_bytes or settings.policy.block_size * settings.policy.kv_bytes_per_token
-            self.steering.cpu_tier = CpuTierModel(round(settings.lmcache_cpu_gib * 2**30 / block_bytes),
-                                                  self.policy.block_backed)
+            cpu_blocks = round(settings.lmcache_cpu_gib * 2**30 / block_bytes)
+            self.steering.cpu_tier = CpuTierModel(cpu_blocks, self.policy.block_backed)
         self.failed = False
         self.decision_s = 0.0      # this thread's CPU seconds in CacheScout's work
         self.steps = 0
@@ -60,6 +63,17 @@ class SchedulerSide:
         self._scores_epoch = -1
         self._scores_sent_at = float("-inf")
         self._prefetch_sent: set[str] = set()
+        # Queued requests' CPU-tier holds (lmcache_tier.QueuedHolds on the workers): a request still
+        # waiting at the end of a step is sent to be held, in arrival order; once admitted or ended,
+        # to be released. Both shrink as requests are admitted. What goes to the workers is bounded
+        # (their copy travels with the step's metadata, serialized on this thread): a request's
+        # tokens up to what a hold may pin (half the tier), `_HOLD_TOKENS_PER_STEP` per step, and at
+        # most `_HOLDS_OUTSTANDING` held at once; the rest are sent as the queue moves.
+        self.holds_on = settings.hold_queued and cpu_blocks > 0
+        self._hold_tokens = max(1, int(HOLD_SHARE * cpu_blocks)) * settings.policy.block_size
+        self._hold_new: dict[str, Request] = {}   # waiting, not sent yet (arrival order)
+        self._hold_sent: set[str] = set()         # sent to be held, not yet released
+        self._releases: list[str] = []
         self.warmup = warmup() if warmup is not None else None
         self._warm_checked_at = float("-inf")
         self.warm_stats: Counter[str] = Counter()
@@ -85,17 +99,52 @@ class SchedulerSide:
 
     def arrived(self, request: Request) -> None:
         self.open_requests += 1
+        if self.holds_on and not self.failed:
+            self._hold_new[request.request_id] = request
         self._safely(self.steering.arrived, request)
 
     def matched(self, request_id: str, num_computed_tokens: int) -> None:
         self._safely(self.steering.matched, request_id, num_computed_tokens)
 
     def allocated(self, request: Request) -> None:
+        self._unhold(request.request_id)
         self._safely(self.steering.allocated, request)
+
+    def _unhold(self, rid: str) -> None:
+        """Admitted (LMCache's lookup has pinned what it loads) or ended: its hold goes."""
+        if self._hold_new.pop(rid, None) is None and rid in self._hold_sent:
+            self._hold_sent.discard(rid)
+            self._releases.append(rid)
+
+    def _holds_meta(self, meta: CacheScoutMetadata) -> CacheScoutMetadata:
+        """Add the step's holds (waiting requests not sent yet, earliest first, within the bounds)
+        and releases to `meta`."""
+        pending = self._hold_new
+        if pending:
+            holds = []
+            budget = _HOLD_TOKENS_PER_STEP
+            sent = self._hold_sent
+            while pending and budget > 0 and len(sent) < _HOLDS_OUTSTANDING:
+                rid = next(iter(pending))
+                request = pending.pop(rid)
+                tokens = request.prompt_token_ids
+                if not tokens:
+                    continue
+                tokens = tokens[:self._hold_tokens]
+                budget -= len(tokens)
+                params = getattr(request, "kv_transfer_params", None) or {}
+                holds.append((rid, tokens, {k: v for k, v in params.items()
+                                            if isinstance(k, str) and k.startswith("lmcache.")}))
+                sent.add(rid)
+            meta.holds = holds
+        if self._releases:
+            meta.releases, self._releases = self._releases, []
+        return meta
 
     def finished(self, request: Request) -> None:
         """Files the blocks the request filled since its allocation: CacheScout's work, timed."""
         self.open_requests = max(0, self.open_requests - 1)
+        self._unhold(request.request_id)
         if not self.failed:
             t0 = time.thread_time()
             self._safely(self.steering.finished, request)
@@ -109,7 +158,12 @@ class SchedulerSide:
         """Once per scheduler step: steer, install a merged model if one is ready, and send the
         workers the agents' scores when they changed."""
         if self.failed:
-            return CacheScoutMetadata()
+            if not (self._hold_sent or self._hold_new):
+                return CacheScoutMetadata()
+            self._hold_sent.clear()   # off for good: the workers let every hold go, once
+            self._hold_new.clear()
+            self._releases = []
+            return CacheScoutMetadata(release_all=True)
         # CPU time of this (the scheduler's) thread: what CacheScout adds to a step, without
         # other processes' or threads' turns on a shared machine.
         t0 = time.thread_time()
@@ -138,6 +192,7 @@ class SchedulerSide:
                 meta = CacheScoutMetadata(scores, self._prefetch_requests(probs))
             except Exception:
                 log.exception("CacheScout: could not compute agent scores for the workers")
+        meta = self._holds_meta(meta)
         self.decision_s += time.thread_time() - t0   # all of CacheScout's work in this step
         return meta
 

@@ -37,6 +37,10 @@ class ConnectorSettings:
         0.0, "LMCache's CPU tier beside this connector (its max_local_cpu_size, GiB): CacheScout follows what "
              "it holds and lets GPU blocks with a CPU copy go first (losing one costs a load, not a recompute); "
              "0: none", lo=0, hi=1e6)
+    hold_queued: bool = setting(
+        True, "with LMCache's CPU tier beside (lmcache_cpu_gib > 0): keep a queued request's prefix in that tier "
+              "from its arrival to its admission (at most half the tier), so that the prompts stored while it "
+              "waits do not push out what it will load")
     shared_state: SharedStateSettings | None = None   # learn with the other replicas through Redis
 
     def __post_init__(self) -> None:

@@ -116,6 +116,11 @@ PROM_COUNTERS = {
     "prefetch_errors": "prefetches that failed (logged; serving unaffected)",
     "prefetch_used": "prefetched chunks read from the CPU tier before being evicted",
     "prefetch_wasted": "prefetched chunks evicted from the CPU tier unread",
+    "queued_holds": "queued requests whose CPU-tier prefix was held from arrival to admission",
+    "hold_chunks": "CPU-tier chunks pinned for queued requests",
+    "holds_cut_by_limit": "holds cut short: half the CPU tier was already held for earlier queued requests",
+    "holds_dropped": "queued requests not held: too many already waiting to be held",
+    "hold_errors": "holds that failed (logged; serving unaffected)",
     # GPU warm-ups (gpu_warmup.py) and what they are for: a call finding its anchor on the GPU.
     "anchor_calls": "calls of an agent whose anchor CacheScout knows",
     "anchor_on_gpu": "of which found the whole anchor in the GPU prefix cache",

@@ -1,5 +1,5 @@
-"""CacheScout on vLLM's workers: KV moves are LMCache's; CacheScout ranks its CPU tier and
-prefetches predicted anchors from Redis into it.
+"""CacheScout on vLLM's workers: KV moves are LMCache's; CacheScout ranks its CPU tier, holds queued
+requests' prefixes in it until their admission, and prefetches predicted anchors from Redis into it.
 
 `CacheScoutConnector` (vllm_connector.py) hands its worker-role callbacks here. Without LMCache
 installed the worker side does nothing (logged once).
@@ -27,13 +27,16 @@ WORKER_COUNTERS = {"cpu_evictions": ("cpu", "evictions"), "cpu_steered": ("cpu",
                    "prefetch_chunks_loaded": ("prefetch", "chunks_loaded"),
                    "prefetch_skipped_slower": ("prefetch", "skipped_slower_than_recompute"),
                    "prefetch_errors": ("prefetch", "errors"), "prefetch_used": ("cpu", "prefetch_used"),
-                   "prefetch_wasted": ("cpu", "prefetch_wasted")}
+                   "prefetch_wasted": ("cpu", "prefetch_wasted"), "queued_holds": ("holds", "holds"),
+                   "hold_chunks": ("holds", "hold_chunks"), "holds_cut_by_limit": ("holds", "holds_cut_by_limit"),
+                   "holds_dropped": ("holds", "holds_dropped"), "hold_errors": ("holds", "hold_errors")}
 
 
 class WorkerSide:
     def __init__(self, settings: ConnectorSettings) -> None:
         self.settings = settings
         self.prefetcher: Any = None
+        self.holds: Any = None      # lmcache_tier.QueuedHolds, once LMCache's engine exists
         self.report = CounterReport()
         self._lmcache: Any = None   # lmcache_tier, where LMCache is installed
         self._store_bounded = False
@@ -66,6 +69,25 @@ class WorkerSide:
             if prefetcher is not None:
                 prefetcher.submit(tokens, {k[len(_TAG_PREFIX):]: v for k, v in configs.items()
                                            if k.startswith(_TAG_PREFIX)})
+        holds = getattr(metadata, "holds", None)
+        releases = getattr(metadata, "releases", None)
+        if holds or releases or getattr(metadata, "release_all", False):
+            self._holds(holds or (), releases or (), getattr(metadata, "release_all", False))
+
+    def _holds(self, holds: Any, releases: Any, release_all: bool) -> None:
+        keeper = self.holds
+        if keeper is None:
+            engine = self._lmcache.current_engine() if holds else None
+            if engine is None:
+                return
+            keeper = self.holds = self._lmcache.QueuedHolds(engine)
+        for rid in releases:
+            keeper.release(rid)
+        if release_all:   # the scheduler side turned itself off: hold nothing from now on
+            keeper.close()   # (kept: its counts stay reported; a closed keeper holds nothing)
+            return
+        for rid, tokens, configs in holds:
+            keeper.hold(rid, tokens, configs)
 
     def _start_prefetcher(self) -> Any:
         """The prefetcher of this worker's LMCache engine (built by LMCache's connector), if any."""
@@ -90,13 +112,16 @@ class WorkerSide:
             return None
         self.report.at = t
         sources = {"cpu": lmcache.cpu_tier_stats(), "store": lmcache.STORE_STATS,
-                   "prefetch": self.prefetcher.stats if self.prefetcher is not None else {}}
+                   "prefetch": self.prefetcher.stats if self.prefetcher is not None else {},
+                   "holds": self.holds.stats if self.holds is not None else {}}
         delta = self.report.since_last({name: sources[src].get(key, 0) for name, (src, key) in WORKER_COUNTERS.items()})
         return delta or None
 
     def shutdown(self) -> None:
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.holds is not None:
+            self.holds.close()
         # vLLM shuts connectors down in order, ours before LMCache's: make LMCache's safe to run.
         if self._lmcache is not None:
             self._lmcache.defuse_shutdown_hang()

@@ -31,6 +31,7 @@ def test_values_are_read():
     ({"store_wait_ms": "50"}, "store_wait_ms"),
     ({"lmcache_cpu_gib": -1}, "lmcache_cpu_gib"),
     ({"lmcache_cpu_gib": "20GiB"}, "lmcache_cpu_gib"),
+    ({"hold_queued": "yes"}, "hold_queued"),
     ({"policy": {"no_such_setting": 1}}, "no_such_setting"),   # unknown policy setting
     ({"policy": {"block_size": 64}}, "block_size"),            # disagrees with vLLM's
     ({"policy": []}, "policy"),

@@ -776,3 +776,48 @@ def test_the_connector_passes_how_each_call_ended_to_the_policy():
     waits = policy.inspect().traffic.waits
     assert waits.seen > 0.99
     assert list(waits._by_ending) == [(5,)]
+
+
+def test_queued_requests_go_to_be_held_earliest_first_within_the_bounds(monkeypatch):
+    """Beside LMCache's CPU tier, each request still waiting after a step is sent to the workers to
+    have its CPU prefix held (lmcache_tier.QueuedHolds), in arrival order, its tokens cut to what a
+    hold may pin (half the tier), within a per-step token budget and a cap on holds at once; the
+    rest go as the queue moves. A request admitted in the step it arrived in is never sent, and one
+    admitted later is released in the step that admits it."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from cachescout.connector import scheduler_side
+
+    monkeypatch.setattr(scheduler_side, "_HOLD_TOKENS_PER_STEP", 100)
+    monkeypatch.setattr(scheduler_side, "_HOLDS_OUTSTANDING", 2)
+    cpu_gib = 8 * 16 * PolicyConfig().kv_bytes_per_token / 2**30          # 8 blocks: a hold pins 4 at most
+    sched = build_scheduler(64, max_num_seqs=1, connector={"lmcache_cpu_gib": cpu_gib})
+    assert sched.connector.scheduler_side._hold_tokens == 64
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+    prompts = {rid: list(range(1000 * i, 1000 * i + 80)) for i, rid in enumerate(("R", "Q1", "Q2", "Q3"), 1)}
+    for rid, tokens in prompts.items():
+        sp = SamplingParams(max_tokens=3 if rid == "R" else 1, ignore_eos=True)
+        sched.add_request(Request(rid, tokens, sp, None, block_hasher=hasher))
+    log = []
+    while sched.requests:
+        out = sched.schedule()
+        meta = out.kv_connector_metadata
+        ids = list(out.num_scheduled_tokens)
+        log.append((ids, [(rid, tokens) for rid, tokens, _ in meta.holds or ()], meta.releases or []))
+        sampled = [[] if sched.requests[r].is_prefill_chunk else [5] for r in ids]
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                        sampled_token_ids=sampled))
+    first_ids, first_holds, _ = log[0]
+    assert first_ids == ["R"]
+    # Q1 (64 tokens) leaves 36 of the step's 100: Q2 goes too, and two are held at once: Q3 waits.
+    assert first_holds == [("Q1", prompts["Q1"][:64]), ("Q2", prompts["Q2"][:64])]
+    admitted_q1 = next(i for i, (ids, _, _) in enumerate(log) if "Q1" in ids)
+    assert log[admitted_q1][2] == ["Q1"] and log[admitted_q1][1] == [("Q3", prompts["Q3"][:64])]
+    assert [r for _, _, rel in log for r in rel] == ["Q1", "Q2", "Q3"]
+    assert sum(len(h) for _, h, _ in log) == 3
+    assert not sched.connector.scheduler_side._hold_sent

@@ -455,3 +455,173 @@ def test_the_replays_cpu_tier_keeps_what_lmcaches_keeps(agents, looked_up):
     assert kept == ({"coder": 20, "critic": 0, "searcher": 60} if looked_up else
                     {"coder": 0, "critic": 20, "searcher": 60})
     assert {a.name: sum(k in model for k in a.keys(engine)) for a in agents} == kept
+
+
+# -- queued requests' CPU-tier holds (lmcache_tier.QueuedHolds) -------------------------------------
+def pins(engine, agent):
+    """Pin counts of `agent`'s chunks in the CPU tier (absent chunks left out)."""
+    cpu = cpu_tier(engine)
+    return [cpu.hot_cache[k].meta.pin_count for k in agent.keys(engine) if k in cpu.hot_cache]
+
+
+@pytest.mark.parametrize("held", [False, True])
+def test_a_queued_requests_held_prefix_outlives_the_stores_ahead_of_it(agents, held):
+    """coder's chunks are the oldest; a request needing them waits while critic and searcher are
+    stored. LMCache's LRU evicts coder's (its lookup pins nothing until the request is admitted);
+    held from the request's arrival, critic's go instead, and LMCache's lookup then loads coder's
+    bit-exact. Released and loaded, they are ordinary chunks again (every pin given back)."""
+    coder, critic, searcher = agents
+    engine = build_engine(None, "lru")
+    holds = lmcache_tier.QueuedHolds(engine)
+    try:
+        store_in_order(engine, [coder, critic], redis=False)
+        if held:
+            assert holds.hold("q", coder.tokens.tolist(), coder.configs)
+            assert holds.wait_idle()
+            assert pins(engine, coder) == [1] * 20
+        engine.store(searcher.tokens, kvcaches=searcher.kv, request_configs=searcher.configs)
+        kept = {a.name: in_cpu(engine, a) for a in agents}
+        assert kept == ({"coder": 20, "critic": 0, "searcher": 60} if held else
+                        {"coder": 0, "critic": 20, "searcher": 60})
+        hit = engine.lookup(coder.tokens, lookup_id="q", pin=True, request_configs=coder.configs)
+        assert hit == (len(coder.tokens) if held else 0)
+        if held:   # admitted: LMCache's lookup pinned the chunks, then the hold is released
+            holds.release("q")
+            assert holds.wait_idle() and pins(engine, coder) == [1] * 20
+            out = torch.zeros_like(coder.kv)
+            assert int(engine.retrieve(coder.tokens, kvcaches=out, request_configs=coder.configs).sum()) == 5120
+            assert torch.equal(out, coder.kv)
+            engine.lookup_unpin("q")
+            assert pins(engine, coder) == [0] * 20 and holds.held_bytes == 0
+            assert holds.stats["holds"] == 1 and holds.stats["hold_chunks"] == 20
+    finally:
+        holds.close()
+
+
+def test_holds_take_at_most_half_the_tier_and_move_up_the_queue():
+    """An 80-chunk tier holds at most 40 chunks: the first queued request (30 chunks) is held whole,
+    the second (30) as far as the limit allows, and whole once the first is admitted. A chunk held
+    by two requests counts once."""
+    a, b = Agent("a", 30, 11), Agent("b", 30, 12)
+    engine = build_engine(None, "lru")
+    holds = lmcache_tier.QueuedHolds(engine)
+    try:
+        store_in_order(engine, [a, b], redis=False)
+        assert holds.limit_bytes == 40 * CHUNK_BYTES
+        holds.hold("r1", a.tokens.tolist(), a.configs)
+        holds.hold("r2", b.tokens.tolist(), b.configs)
+        holds.hold("r3", a.tokens.tolist(), a.configs)   # a's chunks again: already held, free of charge
+        assert holds.wait_idle()
+        assert pins(engine, a) == [1] * 30 and pins(engine, b) == [1] * 10 + [0] * 20
+        assert holds.held_bytes == 40 * CHUNK_BYTES and holds.stats["holds_cut_by_limit"] == 1
+        holds.release("r1")                              # r3 still holds a's chunks
+        assert holds.wait_idle() and pins(engine, b) == [1] * 10 + [0] * 20
+        holds.release("r3")                              # room: r2 is held whole
+        assert holds.wait_idle()
+        assert pins(engine, a) == [0] * 30 and pins(engine, b) == [1] * 30
+        assert holds.held_bytes == 30 * CHUNK_BYTES
+        holds.release("r2")
+        holds.release("never-held")                      # a request admitted before it was held
+        assert holds.wait_idle() and pins(engine, b) == [0] * 30 and holds.held_bytes == 0
+    finally:
+        holds.close()
+
+
+def test_a_hold_never_unpins_what_lmcache_pinned_or_a_chunk_stored_again():
+    """Holds pin apart from LMCache's lookups; a cache cleared by force drops the held chunks and
+    their pins, and chunks stored again after it are LMCache's alone."""
+    coder = Agent("coder", 4, 21)
+    engine = build_engine(None, "lru")
+    holds = lmcache_tier.QueuedHolds(engine, max_queued=1)
+    try:
+        store_in_order(engine, [coder], redis=False)
+        holds.hold("q", coder.tokens.tolist(), coder.configs)
+        assert not holds.hold("q2", coder.tokens.tolist(), coder.configs)   # the queue is full
+        assert holds.stats["holds_dropped"] == 1
+        assert holds.wait_idle()
+        engine.lookup(coder.tokens, lookup_id="lm", pin=True, request_configs=coder.configs)
+        assert pins(engine, coder) == [2] * 4
+        engine.lookup_unpin("lm")
+        assert pins(engine, coder) == [1] * 4
+        engine.clear(locations=["LocalCPUBackend"])
+        store_in_order(engine, [coder], redis=False)
+        engine.lookup(coder.tokens, lookup_id="lm2", pin=True, request_configs=coder.configs)
+        holds.release("q")
+        assert holds.wait_idle() and pins(engine, coder) == [1] * 4 and holds.stats["hold_errors"] == 0
+        engine.lookup_unpin("lm2")
+        assert pins(engine, coder) == [0] * 4
+    finally:
+        holds.close()
+
+
+@pytest.mark.parametrize("turned_off", [False, True])
+def test_the_connector_holds_a_queued_requests_prefix_from_arrival_to_admission(turned_off):
+    """vLLM's scheduler with CacheScoutConnector (LMCache's CPU tier beside it), each step's metadata
+    handed to a worker-role CacheScoutConnector over LMCache's engine, as vLLM's workers get it. A
+    request admitted in the step it arrived in is never held; one left waiting behind it (for
+    coder's prefix, tagged with its agent as LMCache keys it) has that prefix pinned after the step,
+    released in the step that admits it; the counts reach vLLM's connector stats. If CacheScout
+    turns itself off meanwhile (a failure), the next step lets every hold go."""
+    from vllm import SamplingParams
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    from cachescout.bench.vllm_replay import build_scheduler
+    from cachescout.connector.vllm_connector import CacheScoutConnector
+
+    coder = Agent("coder", 4, 31)
+    engine = build_engine(None, "lru")
+    store_in_order(engine, [coder], redis=False)
+    # CacheScout told the tier's size and this KV's bytes per token (a hold sends up to half the tier's tokens).
+    sched = build_scheduler(200, max_num_seqs=1, connector={
+        "lmcache_cpu_gib": CPU_CHUNKS * CHUNK_BYTES / 2**30, "policy": {"kv_bytes_per_token": CHUNK_BYTES // CHUNK}})
+    worker = CacheScoutConnector(sched.connector._vllm_config, KVConnectorRole.WORKER, sched.kv_cache_config)
+    init_none_hash(sha256)
+    hasher = get_request_block_hasher(16, sha256)
+
+    def add(rid, tokens, max_tokens, params=None):
+        sp = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                            extra_args={"kv_transfer_params": params} if params else None)
+        sched.add_request(Request(rid, tokens, sp, None, block_hasher=hasher))
+
+    def step():
+        out = sched.schedule()
+        meta = out.kv_connector_metadata
+        worker.bind_connector_metadata(meta)
+        ids = list(out.num_scheduled_tokens)
+        sampled = [[] if sched.requests[r].is_prefill_chunk else [5] for r in ids]
+        sched.update_from_output(out, ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                                        sampled_token_ids=sampled))
+        return ids, meta
+
+    try:
+        add("R", list(range(7, 39)), max_tokens=4)
+        add("Q", coder.tokens.tolist() + list(range(7, 23)), max_tokens=1, params=coder.configs)
+        ids, meta = step()
+        assert ids == ["R"] and [(rid, cfg) for rid, _, cfg in meta.holds] == [("Q", coder.configs)]
+        holds = worker.worker_side.holds
+        assert holds.wait_idle() and pins(engine, coder) == [1] * 4
+        if turned_off:
+            sched.connector.scheduler_side.failed = True   # as its first failure does
+            ids, meta = step()
+            assert meta.release_all and pins(engine, coder) == [0] * 4 and holds.held_bytes == 0
+            ids, meta = step()
+            assert not meta.release_all and not meta.holds and not meta.releases
+            return
+        released = []
+        while sched.requests:
+            ids, meta = step()
+            released += meta.releases or []
+            assert not meta.holds
+            if "Q" in ids:
+                assert released == ["Q"]
+                break
+            assert pins(engine, coder) == [1] * 4           # still waiting: still held
+        assert holds.wait_idle() and pins(engine, coder) == [0] * 4
+        stats = worker.get_kv_connector_stats().data
+        assert stats["queued_holds"] == 1 and stats["hold_chunks"] == 4
+    finally:
+        worker.shutdown()

@@ -8,11 +8,12 @@ anchor on the GPU, and its greedy output is the one it had with the anchor compu
 from __future__ import annotations
 
 import json
-import time
-import urllib.request
 
 import pytest
 from conftest import need_redis
+from server_calls import complete as _complete
+from server_calls import post as _post
+from server_calls import wait_for as _wait_for
 
 from cachescout.bench import serve
 
@@ -21,27 +22,6 @@ AGENT_CALLS = 8
 
 def _anchor() -> list[int]:
     return [2000 + (i * 53) % 20000 for i in range(256)]          # 8 blocks of 32
-
-
-def _post(url: str, path: str, body: dict | None = None) -> dict:
-    data = json.dumps(body or {}).encode()
-    req = urllib.request.Request(url + path, data, {"Content-Type": "application/json"}, method="POST")
-    with urllib.request.urlopen(req, timeout=120) as r:
-        return json.loads(r.read() or b"{}")
-
-
-def _complete(url: str, tokens: list[int], max_tokens: int = 8) -> str:
-    body = {"model": "model", "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
-    return _post(url, "/v1/completions", body)["choices"][0]["text"]
-
-
-def _wait_for(server: serve.Server, name: str, at_least: float, timeout_s: float = 30.0) -> dict:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        metrics = server.metrics()
-        if metrics.get(name, 0.0) >= at_least or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.25)
 
 
 @pytest.fixture(scope="module")
