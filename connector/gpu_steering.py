@@ -179,6 +179,13 @@ class GpuSteering:
             self._admit(t)
             self._running[rid] = t
         self._allocated.clear()
+        cpu_tier = self.cpu_tier
+        if cpu_tier is not None and cpu_tier.holds:
+            # Left waiting: the workers hold its CPU-tier prefix until it is admitted (lmcache_tier.py).
+            for rid in arrived_now:
+                waiting = keys_of.get(rid)
+                if waiting is not None:
+                    cpu_tier.hold(rid, waiting)
         # Requests that arrive between two steps are allocated in the very step that first shows
         # them to the connector: leave room for as many blocks as recent arrivals took at once.
         self._arrival_blocks = max(float(unplanned), self._arrival_blocks * _ARRIVAL_DECAY)
@@ -189,6 +196,8 @@ class GpuSteering:
             self._warmups.pop(rid, None)
             self._anchor_of.pop(rid, None)
             tracked = self._running.pop(rid, None)
+            if tracked is None and self.cpu_tier is not None:
+                self.cpu_tier.release(rid)   # ended while it waited
             self._release(tracked if tracked is not None else _Tracked(request), now)
         self._finished.clear()
         # The next step allocates at most: the prompt blocks still to compute (of running and
@@ -283,6 +292,7 @@ class GpuSteering:
         num_cached = t.local_hit_tokens // policy.cfg.block_size
         t.prompt_blocks = len(keys)
         if self.cpu_tier is not None:   # LMCache looks the prompt up and stores it (warm-ups too)
+            self.cpu_tier.release(request.request_id)   # its hold, if it waited: LMCache's lookup pins now
             self.cpu_tier.admitted(keys, num_cached)
         if t.warmup is not None:
             # Its blocks are filed where vLLM put them; the policy hears of them when it ends.

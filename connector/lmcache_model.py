@@ -143,17 +143,49 @@ def lmcache_store(keys: Sequence[Hashable], start: int, cpu: TierStore | None,
 
 class CpuTierModel:
     """LMCache's CPU tier as the scheduler can follow it: each admitted prompt looked up and stored
-    by the rules above, at the tier's capacity in GPU blocks. `backed(key, held)` hears every block
-    that gains or loses its CPU copy.
+    by the rules above, at the tier's capacity in GPU blocks, with queued requests' prefixes held
+    from the step that left them waiting to their admission as the connector's workers hold them
+    (`hold`, `release`). `backed(key, held)` hears every block that gains or loses its CPU copy.
 
     A model, not LMCache's state: LMCache stores whole chunks (`chunk_size` tokens), drops a store
     it has no room for, and under CacheScout's CPU-tier policy evicts the least likely agent among
     its oldest chunks rather than strictly the oldest. It only tells the GPU order which blocks a
     miss would most likely load instead of recompute."""
 
-    def __init__(self, capacity_blocks: int, backed: Callable[[Hashable, bool], None]) -> None:
+    def __init__(self, capacity_blocks: int, backed: Callable[[Hashable, bool], None], holds: bool = False) -> None:
+        """`holds`: the connector holds queued requests' prefixes in the tier (`hold_queued`)."""
         self.tier = TierStore("cpu", capacity_blocks)
         self.backed = backed
+        self.holds = holds
+        self._held: dict[str, list[Hashable]] = {}          # queued request -> the blocks held for it
+        self._short: dict[str, Sequence[Hashable]] = {}     # those the limit cut short -> prompt keys
+
+    def hold(self, request_id: str, prompt_keys: Sequence[Hashable]) -> None:
+        """A request was left waiting: its prefix is held as the workers hold it (`QueuedHolds`)."""
+        if self.holds and request_id not in self._held:
+            self._hold(request_id, prompt_keys)
+
+    def _hold(self, request_id: str, prompt_keys: Sequence[Hashable]) -> None:
+        tier = self.tier
+        held = self._held[request_id] = tier.hold_prefix(prompt_keys)
+        if len(held) < len(prompt_keys) and prompt_keys[len(held)] in tier:
+            self._short[request_id] = prompt_keys   # (an existing entry keeps its place)
+        else:
+            self._short.pop(request_id, None)
+
+    def release(self, request_id: str) -> None:
+        """The request was admitted or ended: its hold goes, and those the limit cut short are
+        held again, in arrival order, as far as the room it left goes (blocks already held for
+        another request cost none)."""
+        self._short.pop(request_id, None)
+        held = self._held.pop(request_id, None)
+        if not held:
+            return
+        tier = self.tier
+        tier.release(held)
+        for rid, keys in list(self._short.items()):
+            tier.release(self._held[rid])
+            self._hold(rid, keys)
 
     def admitted(self, prompt_keys: Sequence[Hashable], filed_from: int = 0) -> None:
         """A request was scheduled: LMCache looked its prompt's full blocks up and stores the rest.

@@ -428,8 +428,8 @@ class QueuedHolds:
                                                           request_configs=configs or None)]
         entry = self._queued[rid] = _Queued(keys)
         self._pin(entry)
-        if entry.held:
-            self.stats["holds"] += 1
+        self.stats["holds"] += bool(entry.held)
+        self.stats["holds_cut_by_limit"] += entry.short
 
     def _drop(self, rid: str) -> None:
         entry = self._queued.pop(rid, None)
@@ -437,9 +437,7 @@ class QueuedHolds:
             return
         self._unpin(entry)
         for other in self._queued.values():   # room came free: the queue holds again, in order
-            if self.held_bytes >= self.limit_bytes:
-                break
-            if other.short:
+            if other.short:                   # (chunks held for another cost no room)
                 self._unpin(other)
                 self._pin(other)
 
@@ -455,7 +453,6 @@ class QueuedHolds:
             if pin is None:
                 if self.held_bytes >= self.limit_bytes:
                     entry.short = True   # held again when room comes free
-                    self.stats["holds_cut_by_limit"] += 1
                     break
                 with cpu.cpu_lock:
                     obj = cpu.hot_cache.get(key)

@@ -54,7 +54,7 @@ class SchedulerSide:
             # LMCache's CPU tier, followed from the prompts it sees (lmcache_model.py), in GPU blocks.
             block_bytes = block_bytes or settings.policy.block_size * settings.policy.kv_bytes_per_token
             cpu_blocks = round(settings.lmcache_cpu_gib * 2**30 / block_bytes)
-            self.steering.cpu_tier = CpuTierModel(cpu_blocks, self.policy.block_backed)
+            self.steering.cpu_tier = CpuTierModel(cpu_blocks, self.policy.block_backed, holds=settings.hold_queued)
         self.failed = False
         self.decision_s = 0.0      # this thread's CPU seconds in CacheScout's work
         self.steps = 0

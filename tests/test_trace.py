@@ -181,6 +181,41 @@ def test_the_schedulers_model_of_lmcaches_cpu_tier_tells_which_blocks_have_a_cop
     assert told == [("e", True), ("f", True)]
 
 
+@pytest.mark.parametrize("holds", [False, True])
+def test_the_schedulers_model_of_the_cpu_tier_follows_the_holds_of_queued_requests(holds):
+    """With `hold_queued` the workers hold a waiting request's CPU prefix until its admission; the
+    scheduler's model of the tier does the same: the stores made while q waits push out c and d,
+    not q's a and b, and only once q is admitted are a and b ordinary blocks again."""
+    told: list[tuple[str, bool]] = []
+    tier = CpuTierModel(4, lambda key, held: told.append((key, held)), holds=holds)
+    tier.admitted(["a", "b"])
+    tier.hold("q", ["a", "b", "x"])        # x: not in the tier, the run ends before it
+    tier.admitted(["c", "d"])
+    tier.admitted(["e", "f"])
+    gone = [k for k, held in told if not held]
+    assert gone == (["c", "d"] if holds else ["a", "b"])
+    assert dict(tier.tier.held) == ({"a": 1, "b": 1} if holds else {})
+    tier.release("q")
+    tier.admitted(["a", "b", "x"])          # q admitted: its lookup refreshes a and b
+    assert not tier.tier.held
+
+
+def test_the_schedulers_model_holds_at_most_half_the_tier_and_moves_the_queue_up():
+    tier = CpuTierModel(4, lambda key, held: None, holds=True)
+    tier.admitted(["a", "b"])
+    tier.admitted(["e", "f"])
+    tier.hold("q1", ["a", "b"])
+    tier.hold("q2", ["e", "f"])              # the limit (2 of 4 blocks) cuts it short: nothing held
+    tier.hold("q3", ["e"])
+    assert dict(tier.tier.held) == {"a": 1, "b": 1}
+    tier.release("q1")                       # room: q2 then q3 hold theirs, in arrival order
+    assert dict(tier.tier.held) == {"e": 2, "f": 1}
+    tier.release("q2")
+    tier.release("q3")
+    tier.release("never-held")
+    assert not tier.tier.held
+
+
 def test_lmcache_stores_prompts_and_not_what_decode_fills():
     # Two calls of one conversation, the second extending the first's prompt and output. LMCache
     # (save_decode_cache off, its default) holds the prompts' blocks only.
