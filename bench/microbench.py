@@ -14,6 +14,11 @@ Each figure is the median over many repetitions, in microseconds of wall time on
     python -m cachescout.bench.microbench --replay
 
 measures the replay engine instead: calls replayed per second per policy on the default workloads.
+
+    python -m cachescout.bench.microbench --holds
+
+what holding a queued request's prefix in LMCache's CPU tier costs a worker's background thread
+(hashing the prompt into LMCache's chunk keys, pinning them; releasing them), per prompt length.
 """
 
 from __future__ import annotations
@@ -228,12 +233,79 @@ def _time_evictions(policy: Any) -> list[float]:
     return spent
 
 
+def bench_queued_holds(prompt_tokens: Sequence[int] = (10_000, 100_000), repeats: int = 5) -> dict[str, float]:
+    """What a queued request's CPU-tier hold costs a worker's background thread (lmcache_tier.QueuedHolds)
+    on LMCache's own engine, its CPU tier holding the prompt (stored through vLLM's CPU KV layout):
+    hashing the prompt into LMCache's chunk keys and pinning them, then releasing them; and, for
+    scale, LMCache's own lookup of the same prompt. Milliseconds, median of `repeats`, per prompt
+    length; chunks of 256 tokens."""
+    import torch
+    from lmcache.v1.cache_engine import LMCacheEngineBuilder
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.metadata import LMCacheMetadata
+
+    from cachescout.connector import lmcache_tier
+    from cachescout.connector.lmcache_cpu import CpuPagedConnector
+
+    layers, heads, head, block, chunk = 2, 2, 64, 16, 256
+    out: dict[str, float] = {}
+    for n in prompt_tokens:
+        per_token = 2 * layers * heads * head * 2
+        cfg = LMCacheEngineConfig.from_defaults(chunk_size=chunk, local_cpu=True,
+                                                max_local_cpu_size=4 * n * per_token / 2**30)
+        meta = LMCacheMetadata(model_name="bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                               kv_dtype=torch.float16, kv_shape=(layers, 2, chunk, heads, head), chunk_size=chunk)
+        instance = f"cachescout-bench-holds-{n}"
+        engine = LMCacheEngineBuilder.get_or_create(instance, cfg, meta, CpuPagedConnector(layers, heads, head),
+                                                    lambda *a: None, lambda *a: None)
+        try:
+            engine.post_init()
+            kv = [torch.zeros(n // block + 1, heads, block, 2 * head, dtype=torch.float16) for _ in range(layers)]
+            tokens = torch.randint(0, 100_000, (n,), generator=torch.Generator().manual_seed(n))
+            engine.store(tokens, kvcaches=kv, slot_mapping=torch.arange(n))
+            holds = lmcache_tier.QueuedHolds(engine)
+            ids = tokens.tolist()
+            hold_ns, release_ns = [], []
+            for i in range(repeats):   # the thread's own work, timed in this thread
+                t0 = time.perf_counter_ns()
+                holds._add(f"r{i}", ids, {})
+                t1 = time.perf_counter_ns()
+                holds._drop(f"r{i}")
+                release_ns.append(time.perf_counter_ns() - t1)
+                hold_ns.append(t1 - t0)
+            if holds.stats["hold_chunks"] != repeats * (n // chunk):
+                raise RuntimeError(f"holds pinned {holds.stats['hold_chunks']} chunks, expected {repeats * (n // chunk)}")
+            holds.close()
+            lookup_ns = []   # for scale: LMCache's own lookup of the same prompt (vLLM asks it once per request)
+            for i in range(repeats):
+                t0 = time.perf_counter_ns()
+                engine.lookup(tokens, lookup_id=f"l{i}", pin=True)
+                lookup_ns.append(time.perf_counter_ns() - t0)
+                engine.lookup_unpin(f"l{i}")
+            out[f"hold_{n}_tokens_ms"] = statistics.median(hold_ns) / 1e6
+            out[f"release_{n}_tokens_ms"] = statistics.median(release_ns) / 1e6
+            out[f"lmcache_lookup_{n}_tokens_ms"] = statistics.median(lookup_ns) / 1e6
+        finally:
+            lmcache_tier.close_engine(instance)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="also write the figures here")
     ap.add_argument("--replay", action="store_true",
                     help="instead: the replay engine's speed per policy and workload (about 5 minutes)")
+    ap.add_argument("--holds", action="store_true",
+                    help="instead: what holding a queued request's CPU-tier prefix costs a worker (needs LMCache)")
     args = ap.parse_args(argv)
+    if args.holds:
+        figures = {"machine": machine(), **bench_queued_holds()}
+        for k, v in figures.items():
+            print(f"{k:36s} {v:,.2f}" if isinstance(v, float) else f"{k:36s} {v}")
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(figures, fh, indent=1)
+        return 0
     if args.replay:
         speeds = bench_replay_speed(REPLAY_POLICIES)
         print(f"calls replayed per second ({machine()})")

@@ -44,6 +44,7 @@ log = logging.getLogger("cachescout.connector")
 
 AGENT_TAG = "agent"             # LMCache request config `lmcache.tag.agent`
 EVICTION_WINDOW = 64            # oldest evictable chunks compared per eviction
+_YIELD_EVERY = 16               # chunks hashed by QueuedHolds between two GIL releases
 
 
 class AgentRanking:
@@ -424,8 +425,11 @@ class QueuedHolds:
         if rid in self._queued:
             return
         db = self.engine.token_database
-        keys = [key for _, _, key in db.process_tokens(torch.tensor(tokens, dtype=torch.long),
-                                                          request_configs=configs or None)]
+        keys = []
+        for _, _, key in db.process_tokens(torch.tensor(tokens, dtype=torch.long), request_configs=configs or None):
+            keys.append(key)
+            if len(keys) % _YIELD_EVERY == 0:
+                time.sleep(0)   # hashing holds the GIL: let the worker's own thread run between chunks
         entry = self._queued[rid] = _Queued(keys)
         self._pin(entry)
         self.stats["holds"] += bool(entry.held)
