@@ -273,8 +273,9 @@ def bench_queued_holds(prompt_tokens: Sequence[int] = (10_000, 100_000), repeats
                 holds._drop(f"r{i}")
                 release_ns.append(time.perf_counter_ns() - t1)
                 hold_ns.append(t1 - t0)
-            if holds.stats["hold_chunks"] != repeats * (n // chunk):
-                raise RuntimeError(f"holds pinned {holds.stats['hold_chunks']} chunks, expected {repeats * (n // chunk)}")
+            expected = repeats * (n // chunk)
+            if holds.stats["hold_chunks"] != expected:
+                raise RuntimeError(f"holds pinned {holds.stats['hold_chunks']} chunks, expected {expected}")
             holds.close()
             lookup_ns = []   # for scale: LMCache's own lookup of the same prompt (vLLM asks it once per request)
             for i in range(repeats):
