@@ -300,12 +300,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: what holding a queued request's CPU-tier prefix costs a worker (needs LMCache)")
     args = ap.parse_args(argv)
     if args.holds:
-        figures = {"machine": machine(), **bench_queued_holds()}
-        for k, v in figures.items():
+        costs: dict[str, Any] = {"machine": machine(), **bench_queued_holds()}
+        for k, v in costs.items():
             print(f"{k:36s} {v:,.2f}" if isinstance(v, float) else f"{k:36s} {v}")
         if args.json:
             with open(args.json, "w") as fh:
-                json.dump(figures, fh, indent=1)
+                json.dump(costs, fh, indent=1)
         return 0
     if args.replay:
         speeds = bench_replay_speed(REPLAY_POLICIES)
