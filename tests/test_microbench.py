@@ -18,3 +18,13 @@ def test_timing_the_evictions_counts_their_time_and_changes_no_decision():
     assert [r.hit_tokens for r in timed.requests] == [r.hit_tokens for r in plain.requests]
     assert sum(r.hit_tokens for r in plain.requests) > 0
     assert spent[0] > 0
+
+
+def test_the_holds_benchmark_times_holds_that_pinned_the_whole_stored_prompt():
+    """`microbench --holds` on LMCache's own engine: it raises unless every hold pinned every chunk
+    of the stored prompt; the figures are positive times per prompt length."""
+    from cachescout.bench.microbench import bench_queued_holds
+
+    got = bench_queued_holds(prompt_tokens=(2_560,), repeats=2)
+    assert set(got) == {"hold_2560_tokens_ms", "release_2560_tokens_ms", "lmcache_lookup_2560_tokens_ms"}
+    assert all(v > 0 for v in got.values())
