@@ -338,22 +338,36 @@ class QueuedHolds:
       that stores always find room; the earliest queued are held first, a hold cut short by the
       limit holds what fits, and when a hold is released the requests still queued hold theirs
       again in queue order;
-    - a chunk is pinned once, whoever else holds it (LMCache's own lookup pins are counted apart);
-      pinning is not a lookup: LMCache's LRU order and hit statistics are untouched.
+    - each request pins its chunks itself (LMCache counts pins, so its own lookups' pins are
+      never undone by a release); pinning is not a lookup: LMCache's LRU order and hit statistics
+      are untouched;
+    - LMCache unpins by force whatever has not been pinned for its `pin_timeout_sec` (300 s by
+      default: a guard against leaked pins), and a later unpin of ours would then undo someone
+      else's pin; a request can wait longer than that. So the chunks held are pinned again (and
+      unpinned, a net nothing) every quarter of that timeout, which LMCache's guard counts from.
+      A hold of our own that vLLM never ends is guarded instead by `max_hold_s` (an hour): a
+      request still waiting then lets its hold go (counted).
 
     The queue is bounded (`max_queued` requests waiting or being held; more are not held, counted);
     errors are counted and logged, never raised. Nothing here runs on vLLM's serving path: `hold`
     and `release` only queue."""
 
-    def __init__(self, engine: Any, *, share: float = HOLD_SHARE, max_queued: int = 256) -> None:
+    def __init__(self, engine: Any, *, share: float = HOLD_SHARE, max_queued: int = 256,
+                 max_hold_s: float = 3600.0, refresh_s: float | None = None) -> None:
         self.engine = engine
-        self.limit_bytes = int(share * float(engine.config.max_local_cpu_size) * 2**30)
+        config = engine.config
+        self.limit_bytes = int(share * float(config.max_local_cpu_size) * 2**30)
         self.max_queued = max_queued
+        self.max_hold_s = max_hold_s
+        if refresh_s is None:
+            refresh_s = float(getattr(config, "pin_timeout_sec", None) or 300.0) / 4
+        self.refresh_s = refresh_s
         self.stats: Counter[str] = Counter()
         self.held_bytes = 0
         # Only the holding thread touches these three:
         self._queued: OrderedDict[str, _Queued] = OrderedDict()   # waiting requests, in arrival order
-        self._pins: dict[Any, list] = {}                          # chunk key -> [memory object, holders]
+        self._pins: dict[Any, list] = {}          # chunk key -> [memory object, holders, last pinned]
+        self._checked = time.monotonic()
         self._ops: queue.SimpleQueue = queue.SimpleQueue()        # ("hold", ...), ("release", rid), None
         # Each written by one thread only: holds queued (the worker's) and handled (the holder's).
         self._holds_put = self._holds_done = 0
@@ -402,14 +416,18 @@ class QueuedHolds:
     # -- the holding thread --------------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            op = self._ops.get()
+            try:
+                op = self._ops.get(timeout=self._tick())
+            except queue.Empty:
+                op = ("maintain",)
             if op is None or self._stop.is_set():
                 return
             try:
                 if op[0] == "hold":
                     self._add(*op[1:])
-                else:
+                elif op[0] == "release":
                     self._drop(op[1])
+                self._maintain()
             except Exception as exc:   # a changed LMCache internal, a bad chunk: count it, keep serving
                 self.stats["hold_errors"] += 1
                 if self.stats["hold_errors"] in (1, 10, 100):
@@ -417,7 +435,8 @@ class QueuedHolds:
             finally:
                 if op[0] == "hold":
                     self._holds_done += 1
-                self._ops_done += 1
+                if op[0] != "maintain":
+                    self._ops_done += 1
 
     def _add(self, rid: str, tokens: Sequence[int], configs: dict) -> None:
         import torch
@@ -435,9 +454,40 @@ class QueuedHolds:
         self.stats["holds"] += bool(entry.held)
         self.stats["holds_cut_by_limit"] += entry.short
 
+    def _tick(self) -> float:
+        return max(0.01, min(1.0, self.refresh_s / 4, self.max_hold_s / 4))
+
+    def _maintain(self) -> None:
+        """Pin again what has been held for `refresh_s` (LMCache's guard then leaves it be), and let
+        go of the holds that have lasted `max_hold_s` (those requests stay queued, unheld)."""
+        now = time.monotonic()
+        if now - self._checked < self._tick():
+            return
+        self._checked = now
+        for rid, entry in list(self._queued.items()):
+            if entry.held and now - entry.held_at > self.max_hold_s:
+                del self._queued[rid]
+                self.stats["holds_expired"] += 1
+                self._drop_entry(entry)
+        cpu = self.engine.storage_manager.storage_backends.get("LocalCPUBackend")
+        if cpu is None:
+            return
+        for key, pin in self._pins.items():
+            if now - pin[2] > self.refresh_s:
+                with cpu.cpu_lock:
+                    if cpu.hot_cache.get(key) is pin[0]:
+                        pin[0].pin()      # LMCache's pin guard counts from the last pin...
+                        pin[0].unpin()    # ... and the count is as it was
+                pin[2] = now
+                self.stats["hold_refreshes"] += 1
+
     def _drop(self, rid: str) -> None:
         entry = self._queued.pop(rid, None)
-        if entry is None or not entry.held:
+        if entry is not None:
+            self._drop_entry(entry)
+
+    def _drop_entry(self, entry: _Queued) -> None:
+        if not entry.held:
             return
         self._unpin(entry)
         for other in self._queued.values():   # room came free: the queue holds again, in order
@@ -452,21 +502,23 @@ class QueuedHolds:
             return
         pins = self._pins
         entry.short = False
+        entry.held_at = time.monotonic()
         for key in entry.keys:
             pin = pins.get(key)
+            if pin is None and self.held_bytes >= self.limit_bytes:
+                entry.short = True   # held again when room comes free
+                break
+            with cpu.cpu_lock:
+                obj = cpu.hot_cache.get(key)
+                if obj is None or (pin is not None and obj is not pin[0]):
+                    break            # the run ends: LMCache's lookup would stop here too
+                obj.pin()            # one pin per request: each release undoes its own
             if pin is None:
-                if self.held_bytes >= self.limit_bytes:
-                    entry.short = True   # held again when room comes free
-                    break
-                with cpu.cpu_lock:
-                    obj = cpu.hot_cache.get(key)
-                    if obj is None:
-                        break            # the run ends: LMCache's lookup would stop here too
-                    obj.pin()
-                pin = pins[key] = [obj, 0]
-                self.held_bytes += _bytes_of(obj)
+                pin = pins[key] = [obj, 0, 0.0]
+                self.held_bytes += _bytes_of(obj)   # a chunk counts once, however many hold it
                 self.stats["hold_chunks"] += 1
             pin[1] += 1
+            pin[2] = entry.held_at
             entry.held.append(key)
 
     def _unpin(self, entry: _Queued) -> None:
@@ -474,12 +526,11 @@ class QueuedHolds:
         pins = self._pins
         for key in entry.held:
             pin = pins[key]
-            pin[1] -= 1
-            if pin[1]:
-                continue
-            del pins[key]
             obj = pin[0]
-            self.held_bytes -= _bytes_of(obj)
+            pin[1] -= 1
+            if not pin[1]:
+                del pins[key]
+                self.held_bytes -= _bytes_of(obj)
             if cpu is None:
                 continue
             with cpu.cpu_lock:
@@ -491,12 +542,13 @@ class QueuedHolds:
 
 
 class _Queued:
-    __slots__ = ("keys", "held", "short")
+    __slots__ = ("keys", "held", "short", "held_at")
 
     def __init__(self, keys: list) -> None:
         self.keys = keys           # the prompt's LMCache chunk keys, first to last
         self.held: list = []       # those pinned for it (a leading run)
         self.short = False         # the limit cut its hold short
+        self.held_at = 0.0         # when it was (last) pinned
 
 
 def _bytes_of(obj: Any) -> int:

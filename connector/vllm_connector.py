@@ -120,6 +120,7 @@ PROM_COUNTERS = {
     "hold_chunks": "CPU-tier chunks pinned for queued requests",
     "holds_cut_by_limit": "holds cut short: half the CPU tier was already held for earlier queued requests",
     "holds_dropped": "queued requests not held: too many already waiting to be held",
+    "holds_expired": "holds let go after an hour while their request still waited",
     "hold_errors": "holds that failed (logged; serving unaffected)",
     # GPU warm-ups (gpu_warmup.py) and what they are for: a call finding its anchor on the GPU.
     "anchor_calls": "calls of an agent whose anchor CacheScout knows",

@@ -29,7 +29,8 @@ WORKER_COUNTERS = {"cpu_evictions": ("cpu", "evictions"), "cpu_steered": ("cpu",
                    "prefetch_errors": ("prefetch", "errors"), "prefetch_used": ("cpu", "prefetch_used"),
                    "prefetch_wasted": ("cpu", "prefetch_wasted"), "queued_holds": ("holds", "holds"),
                    "hold_chunks": ("holds", "hold_chunks"), "holds_cut_by_limit": ("holds", "holds_cut_by_limit"),
-                   "holds_dropped": ("holds", "holds_dropped"), "hold_errors": ("holds", "hold_errors")}
+                   "holds_dropped": ("holds", "holds_dropped"), "holds_expired": ("holds", "holds_expired"),
+                   "hold_errors": ("holds", "hold_errors")}
 
 
 class WorkerSide:

@@ -512,10 +512,10 @@ def test_holds_take_at_most_half_the_tier_and_move_up_the_queue():
         holds.hold("r2", b.tokens.tolist(), b.configs)
         holds.hold("r3", a.tokens.tolist(), a.configs)   # a's chunks again: already held, free of charge
         assert holds.wait_idle()
-        assert pins(engine, a) == [1] * 30 and pins(engine, b) == [1] * 10 + [0] * 20
+        assert pins(engine, a) == [2] * 30 and pins(engine, b) == [1] * 10 + [0] * 20   # a pin per request
         assert holds.held_bytes == 40 * CHUNK_BYTES and holds.stats["holds_cut_by_limit"] == 1
         holds.release("r1")                              # r3 still holds a's chunks
-        assert holds.wait_idle() and pins(engine, b) == [1] * 10 + [0] * 20
+        assert holds.wait_idle() and pins(engine, a) == [1] * 30 and pins(engine, b) == [1] * 10 + [0] * 20
         holds.release("r3")                              # room: r2 is held whole
         assert holds.wait_idle()
         assert pins(engine, a) == [0] * 30 and pins(engine, b) == [1] * 30
@@ -552,6 +552,29 @@ def test_a_hold_never_unpins_what_lmcache_pinned_or_a_chunk_stored_again():
         assert pins(engine, coder) == [0] * 4
     finally:
         holds.close()
+    assert holds.refresh_s == engine.config.pin_timeout_sec / 4 and holds.max_hold_s == 3600
+    # LMCache unpins by force what has not been pinned for pin_timeout_sec: a hold pins again (a net
+    # nothing) every quarter of it, and one held past max_hold_s is let go, undoing nobody's pin.
+    from lmcache.v1.pin_monitor import PinMonitor
+    brief = lmcache_tier.QueuedHolds(engine, max_hold_s=0.6, refresh_s=0.1)
+    try:
+        brief.hold("q", coder.tokens.tolist(), coder.configs)
+        assert brief.wait_idle() and pins(engine, coder) == [1] * 4
+        obj = cpu_tier(engine).hot_cache[coder.keys(engine)[0]]
+        first = PinMonitor.GetOrCreate()._pinned_objects[id(obj)][1]
+        time.sleep(0.4)
+        assert brief.stats["hold_refreshes"] >= 4 and pins(engine, coder) == [1] * 4
+        assert PinMonitor.GetOrCreate()._pinned_objects[id(obj)][1] > first
+        deadline = time.monotonic() + 5
+        while brief.stats["holds_expired"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert brief.stats["holds_expired"] == 1 and pins(engine, coder) == [0] * 4 and brief.held_bytes == 0
+        engine.lookup(coder.tokens, lookup_id="lm3", pin=True, request_configs=coder.configs)
+        brief.release("q")                               # admitted at last: LMCache's pin stays
+        assert brief.wait_idle() and pins(engine, coder) == [1] * 4
+        engine.lookup_unpin("lm3")
+    finally:
+        brief.close()
 
 
 @pytest.mark.parametrize("turned_off", [False, True])
