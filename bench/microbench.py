@@ -300,12 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="instead: what holding a queued request's CPU-tier prefix costs a worker (needs LMCache)")
     args = ap.parse_args(argv)
     if args.holds:
-        costs: dict[str, Any] = {"machine": machine(), **bench_queued_holds()}
-        for k, v in costs.items():
-            print(f"{k:36s} {v:,.2f}" if isinstance(v, float) else f"{k:36s} {v}")
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(costs, fh, indent=1)
+        _report({"machine": machine(), **bench_queued_holds()}, args.json)
         return 0
     if args.replay:
         speeds = bench_replay_speed(REPLAY_POLICIES)
@@ -325,12 +320,17 @@ def main(argv: list[str] | None = None) -> int:
     figures["prefetch_plan_median_us"] = bench_prefetch()
     figures["memory_per_agent_bytes_50"] = bench_memory(50)
     figures["memory_per_agent_bytes_1000"] = bench_memory(1000)
+    _report(figures, args.json)
+    return 0
+
+
+def _report(figures: dict[str, Any], json_path: str | None) -> None:
+    """Print one figure a line; also write them to `json_path` if given."""
     for k, v in figures.items():
         print(f"{k:36s} {v:,.2f}" if isinstance(v, float) else f"{k:36s} {v}")
-    if args.json:
-        with open(args.json, "w") as fh:
+    if json_path:
+        with open(json_path, "w") as fh:
             json.dump(figures, fh, indent=1)
-    return 0
 
 
 if __name__ == "__main__":
