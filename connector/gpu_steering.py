@@ -43,7 +43,7 @@ from typing import Any, Final
 from cachescout.policy import CacheScoutPolicy, Hints, block_keys, output_ending
 
 from .gpu_warmup import WARMUP_KEY
-from .lmcache_model import CpuTierModel
+from .lmcache_model import CpuTierModel, lmcache_configs
 
 _MAX_STALE_ROUNDS: Final = 4   # victim lists re-asked after dropping evicted blocks from the mirror
 _ARRIVAL_DECAY: Final = 0.9    # per step, of the peak of blocks taken by requests arriving between steps
@@ -255,9 +255,7 @@ class GpuSteering:
             return
         if known is None and len(self.anchors) >= self.policy.cfg.max_agents:
             return
-        params = getattr(request, "kv_transfer_params", None) or {}
-        tags = {k: v for k, v in params.items() if isinstance(k, str) and k.startswith("lmcache.")}
-        self.anchors[agent] = (list(request.prompt_token_ids[:n]), tags)
+        self.anchors[agent] = (list(request.prompt_token_ids[:n]), lmcache_configs(request))
         self.anchor_keys[agent] = list(keys[:blocks])
 
     # -- what GPU warm-ups ask (scheduler_side.py) ----------------------------------------------------

@@ -22,9 +22,17 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
+from typing import Any
 
 
 HOLD_SHARE = 0.5   # at most this share of a tier is held for queued requests (`TierStore.hold_prefix`)
+
+
+def lmcache_configs(request: Any) -> dict[str, Any]:
+    """A vLLM request's LMCache request configs (`lmcache.*` keys of its `kv_transfer_params`):
+    its tags are part of LMCache's chunk keys, so whatever looks its chunks up on a worker needs them."""
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return {k: v for k, v in params.items() if isinstance(k, str) and k.startswith("lmcache.")}
 
 
 class TierStore:

@@ -19,7 +19,7 @@ from cachescout.policy import CacheScoutPolicy
 
 from .gpu_steering import GpuSteering
 from .gpu_warmup import WarmupSender
-from .lmcache_model import HOLD_SHARE, CpuTierModel
+from .lmcache_model import HOLD_SHARE, CpuTierModel, lmcache_configs
 from .reporting import CacheScoutMetadata, CounterReport
 from .settings import ConnectorSettings
 from .shared_state import SharedLearnedState
@@ -132,9 +132,7 @@ class SchedulerSide:
                     continue
                 tokens = tokens[:self._hold_tokens]
                 budget -= len(tokens)
-                params = getattr(request, "kv_transfer_params", None) or {}
-                holds.append((rid, tokens, {k: v for k, v in params.items()
-                                            if isinstance(k, str) and k.startswith("lmcache.")}))
+                holds.append((rid, tokens, lmcache_configs(request)))
                 sent.add(rid)
             meta.holds = holds
         if self._releases:
